@@ -1,0 +1,70 @@
+"""The batch vocabulary: every field name a batch may carry, defined once.
+
+Conventions (B = samples in the batch, P = prompt length, R = response length, T = P + R):
+
+- Prompts are **left-padded** to P; ``prompt_mask`` marks real prompt tokens.
+- Responses are **right-padded** to R; ``response_mask`` covers the response up to and
+  including EOS. A response that hit ``max_response_length`` without EOS is ``truncated``.
+- ``input_ids`` is prompt and response side by side (B, T); ``attention_mask`` is
+  ``prompt_mask`` and ``response_mask`` side by side; ``position_ids`` count real tokens from 0,
+  so left padding does not shift positions.
+- A sequence-level reward is placed on the last valid response token of ``token_rewards``.
+- Every sample carries ``uid``, the index of its prompt, so group-wise estimators find the group.
+
+Per-token fields over the response are (B, R) and aligned with ``responses``: the value at
+``[:, j]`` belongs to the token ``responses[:, j]``.
+"""
+
+# -- prompts (produced by the data source) ---------------------------------------------------
+PROMPT_IDS = "prompt_ids"  # (B, P) int64, left-padded prompt tokens
+PROMPT_MASK = "prompt_mask"  # (B, P) int64, 1 on real prompt tokens
+UID = "uid"  # (B,) int64, id of the prompt a sample answers; equal within a group
+PROMPT_TEXT = "prompt_text"  # non-tensor (B,) str, the prompt as text
+GROUND_TRUTH = "ground_truth"  # non-tensor (B,) str, the expected answer (may be "")
+
+# -- rollout (produced by generate) ----------------------------------------------------------
+RESPONSES = "responses"  # (B, R) int64, right-padded sampled tokens
+RESPONSE_MASK = "response_mask"  # (B, R) int64, 1 up to and including EOS
+INPUT_IDS = "input_ids"  # (B, T) int64, prompt_ids ++ responses
+ATTENTION_MASK = "attention_mask"  # (B, T) int64, prompt_mask ++ response_mask
+POSITION_IDS = "position_ids"  # (B, T) int64, cumsum(attention_mask) - 1, clamped at 0
+TRUNCATED = "truncated"  # (B,) bool, response reached max length without EOS
+ROLLOUT_LOG_PROBS = "rollout_log_probs"  # (B, R) float, log-probs the rollout engine sampled with
+
+# -- forward passes ---------------------------------------------------------------------------
+OLD_LOG_PROBS = "old_log_probs"  # (B, R) float, actor log-probs before the update (behaviour policy)
+REF_LOG_PROBS = "ref_log_probs"  # (B, R) float, reference model log-probs
+ENTROPY = "entropy"  # (B, R) float, per-token entropy of the actor's distribution
+VALUES = "values"  # (B, R) float, critic value estimates
+
+# -- rewards and advantages -------------------------------------------------------------------
+SCORES = "scores"  # (B,) float, sequence-level reward from a reward node
+TOKEN_REWARDS = "token_rewards"  # (B, R) float, SCORES placed on the last valid response token
+ADVANTAGES = "advantages"  # (B, R) float, per-token advantages (zero outside response_mask)
+RETURNS = "returns"  # (B, R) float, value targets
+
+# The graph-level key a node consumes names the data it needs; the node's producer may emit
+# companion fields with it. This maps each graph-level key to the batch fields it stands for.
+GRAPH_KEYS: dict[str, tuple[str, ...]] = {
+    "prompts": (PROMPT_IDS, PROMPT_MASK, UID, PROMPT_TEXT, GROUND_TRUTH),
+    "responses": (
+        RESPONSES,
+        RESPONSE_MASK,
+        INPUT_IDS,
+        ATTENTION_MASK,
+        POSITION_IDS,
+        TRUNCATED,
+        ROLLOUT_LOG_PROBS,
+        UID,
+        PROMPT_TEXT,
+        GROUND_TRUTH,
+    ),
+    "old_log_probs": (OLD_LOG_PROBS,),
+    "ref_log_probs": (REF_LOG_PROBS,),
+    "values": (VALUES,),
+    "scores": (SCORES, TOKEN_REWARDS),
+    "advantages": (ADVANTAGES, RETURNS),
+}
+
+# Keys the data source provides before any node runs.
+SOURCE_KEYS = ("prompts",)

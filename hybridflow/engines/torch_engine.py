@@ -1,0 +1,254 @@
+"""Plain-torch train engine: one full model copy per rank, data parallel over gloo or nccl.
+
+Gradient arithmetic of ``train_step`` (why the DP result equals the single-process one): the
+global counts (response tokens and samples of the whole mini-batch, all DP ranks) are
+all-reduced first and handed to ``loss_fn``, which divides its token sum by them. Each
+micro-batch's loss is backpropagated times ``dp_size`` and accumulated locally (DDP ``no_sync``
+for all but the last micro-batch); DDP then averages over ranks, so the final gradient is
+``sum over all tokens of all ranks / global tokens``, the gradient of the full-batch token mean.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import nullcontext
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hybridflow.algos import entropy_from_logits, log_probs_from_logits
+from hybridflow.data import keys as K
+from hybridflow.engines.base import LossFn, TrainEngine
+from hybridflow.spec.graph import OptimSpec, TrainEngineSpec
+
+ModelKind = Literal["policy", "value"]
+
+
+def lr_factor(step: int, optim: OptimSpec, total_steps: int) -> float:
+    """LR multiplier for 0-based optimizer step ``step``.
+
+    Warm-up: ``(step + 1) / warmup_steps`` for the first ``warmup_steps`` steps. Then 1
+    (constant) or a cosine from 1 at step ``warmup_steps`` towards ``min_lr_ratio`` at step
+    ``total_steps``, held there after.
+    """
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * cosine
+
+
+class TorchTrainEngine(TrainEngine):
+    """A transformers model (or any module with an HF-style forward) trained with AdamW.
+
+    Args:
+        model: the module; a causal LM for ``kind="policy"``, a per-token scalar head
+            (``build_value_model``) for ``kind="value"``. The engine trains it in place; with
+            ``torch.distributed`` initialised and more than one rank in ``process_group`` it is
+            wrapped in ``DistributedDataParallel`` (ranks must start from equal weights; DDP also
+            broadcasts rank 0's at construction).
+        spec: micro-batch size, optimizer and schedule. Only ``tp == pp == 1`` layouts.
+        total_steps: optimizer steps of the whole run; required by the cosine schedule.
+        process_group: the data-parallel group; ``None`` = the default group (when initialised).
+        kind: ``"policy"`` (log-probs and entropy) or ``"value"`` (values).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: TrainEngineSpec,
+        *,
+        total_steps: int | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        kind: ModelKind = "policy",
+    ) -> None:
+        if spec.layout.tp != 1 or spec.layout.pp != 1:
+            raise ValueError(
+                f"train.engine 'torch' supports tp = pp = 1 only (got tp={spec.layout.tp}, "
+                f"pp={spec.layout.pp}); use train.engine 'megatron'"
+            )
+        if spec.optim.schedule == "cosine" and (total_steps is None or total_steps < 1):
+            raise ValueError("train.optim.schedule 'cosine' needs the run's total optimizer steps")
+        self.spec = spec
+        self.kind: ModelKind = kind
+        self.module = model
+        self.process_group = process_group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.dp_size = dist.get_world_size(process_group) if distributed else 1
+        self.dp_rank = dist.get_rank(process_group) if distributed else 0
+        self._ddp: DistributedDataParallel | None = None
+        if self.dp_size > 1:
+            # Buffers (rotary tables) are derived from the config: no per-forward broadcast.
+            self._ddp = DistributedDataParallel(
+                model, process_group=process_group, forward_sync_buffers=False
+            )
+        optim = spec.optim
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=optim.lr,
+            betas=optim.betas,
+            weight_decay=optim.weight_decay,
+        )
+        total = total_steps or 0
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, optim, total)
+        )
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _outputs(
+        self, module: nn.Module, mb: TensorDict, temperature: float
+    ) -> dict[str, torch.Tensor]:
+        """Per-token outputs (B, R) of one micro-batch, zero outside ``response_mask``.
+
+        The logit at position ``t`` predicts token ``t + 1``, so the response tokens
+        ``input_ids[:, -R:]`` are read from positions ``-R-1 .. -2``; a value model's value of
+        response token j is likewise its output at the position just before it (the state the
+        token was sampled in).
+        """
+        responses = mb[K.RESPONSES]
+        response_mask = mb[K.RESPONSE_MASK]
+        num_response_tokens = responses.shape[1]
+        inputs = dict(
+            input_ids=mb[K.INPUT_IDS],
+            attention_mask=mb[K.ATTENTION_MASK],
+            position_ids=mb[K.POSITION_IDS],
+            use_cache=False,
+        )
+        if self.kind == "value":
+            out = module(**inputs).logits  # (B, T, 1)
+            values = out[:, -num_response_tokens - 1 : -1, 0].float()
+            return {K.VALUES: values * response_mask}
+        # Only the last R + 1 positions go through the LM head.
+        logits = module(**inputs, logits_to_keep=num_response_tokens + 1).logits[:, :-1]
+        logits = logits / temperature
+        mask = response_mask.to(torch.float32)
+        return {
+            "log_probs": log_probs_from_logits(logits, responses) * mask,
+            "entropy": entropy_from_logits(logits) * mask,
+        }
+
+    @torch.no_grad()
+    def forward(self, batch: TensorDict, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        """No-grad forward in micro-batches; outputs (B, R) are zero outside ``response_mask``.
+
+        Policy: ``{"log_probs", "entropy"}`` of ``responses`` under logits / temperature (float32).
+        Value: ``{"values"}``.
+        """
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            parts = [
+                self._outputs(self.module, mb, temperature)
+                for mb in batch.split(self.spec.micro_batch_size)
+            ]
+        finally:
+            self.module.train(was_training)
+        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+    # -- update -------------------------------------------------------------------------------
+
+    def _all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        if self.dp_size > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.process_group)
+        return values
+
+    def train_step(
+        self, batch: TensorDict, loss_fn: LossFn, temperature: float = 1.0
+    ) -> dict[str, float]:
+        """One optimizer step over this rank's part of a mini-batch.
+
+        ``loss_fn(micro_batch, forward_out)`` gets in ``forward_out``, besides the model outputs
+        (with grad), ``"num_global_tokens"`` and ``"num_global_seqs"``: 0-dim float32 tensors,
+        the response tokens and samples of the whole mini-batch over all DP ranks. Returned
+        metrics: ``loss`` (sum of the returned losses over micro-batches and ranks, i.e. the
+        full-batch loss), ``loss_fn``'s metrics averaged over micro-batches and ranks weighted by
+        response tokens, ``grad_norm`` (before clipping), ``lr`` (used by this step),
+        ``skipped_step`` (1.0 when the gradient was not finite and the optimizer did not step).
+        ``loss_fn`` must return the same metric keys on every rank (they are all-reduced).
+        """
+        assert batch.batch_size[0] > 0, "every data-parallel rank needs at least one sample"
+        model = self._ddp if self._ddp is not None else self.module
+        self.module.train()
+        num_local_tokens = batch[K.RESPONSE_MASK].sum()
+        counts = self._all_reduce_sum(
+            torch.stack([num_local_tokens, torch.tensor(batch.batch_size[0])]).to(torch.float64)
+        )
+        num_global_tokens = counts[0].to(torch.float32)
+        num_global_seqs = counts[1].to(torch.float32)
+
+        self.optimizer.zero_grad(set_to_none=True)
+        micro_batches = batch.split(self.spec.micro_batch_size)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        weighted_metrics: dict[str, float] = {}
+        for i, mb in enumerate(micro_batches):
+            is_last = i == len(micro_batches) - 1
+            sync = nullcontext() if (self._ddp is None or is_last) else self._ddp.no_sync()
+            with sync:
+                forward_out = self._outputs(model, mb, temperature)
+                forward_out["num_global_tokens"] = num_global_tokens
+                forward_out["num_global_seqs"] = num_global_seqs
+                loss, metrics = loss_fn(mb, forward_out)
+                # DDP averages over ranks; undo it so rank contributions add up.
+                (loss * self.dp_size).backward()
+            loss_sum += loss.detach().to(torch.float64)
+            num_mb_tokens = float(mb[K.RESPONSE_MASK].sum())
+            for key, value in metrics.items():
+                weighted = float(value) * num_mb_tokens
+                weighted_metrics[key] = weighted_metrics.get(key, 0.0) + weighted
+
+        max_norm = self.spec.optim.grad_clip if self.spec.optim.grad_clip is not None else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        names = sorted(weighted_metrics)
+        sums = [float(loss_sum)] + [weighted_metrics[k] for k in names]
+        reduced = self._all_reduce_sum(torch.tensor(sums, dtype=torch.float64))
+        out = {"loss": float(reduced[0])}
+        total_tokens = max(float(num_global_tokens), 1.0)
+        out.update({k: float(v) / total_tokens for k, v in zip(names, reduced[1:])})
+        out.update(grad_norm=float(grad_norm), lr=lr, skipped_step=float(not finite))
+        return out
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Parameters of the unwrapped module with HF names, detached, sharing storage.
+
+        Tied parameters appear once (``lm_head.weight`` is ``model.embed_tokens.weight`` in a
+        tied model); buffers are not included (HF causal LMs have none a checkpoint needs).
+        """
+        for name, param in self.module.named_parameters():
+            yield name, param.detach()
+
+    def save_hf(self, path: str) -> None:
+        """Rank 0 of the DP group writes ``save_pretrained(path)``; every rank waits for it."""
+        if self.dp_rank == 0:
+            self.module.save_pretrained(path)
+        if self.dp_size > 1:
+            dist.barrier(group=self.process_group)
+
+    def state_dict(self) -> dict:
+        """Model, optimizer and LR-scheduler state (this rank's) for checkpoints."""
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

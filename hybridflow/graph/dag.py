@@ -1,0 +1,201 @@
+"""The dataflow graph: nodes, edges derived from data keys, and validation.
+
+``build_graph`` turns a ``GraphSpec`` (plus its pool file) into a validated ``Graph`` or raises
+a one-line ``SpecError`` naming the file and the field. It imports no Ray, vLLM or megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import networkx as nx
+
+from hybridflow.data.keys import SOURCE_KEYS
+from hybridflow.graph.ops import OPS
+from hybridflow.spec.graph import GraphSpec, ModelSpec, NodeSpec
+from hybridflow.spec.layout import ParallelLayout
+from hybridflow.spec.loading import SpecError, load_graph_spec, load_pools, resolve_relative
+from hybridflow.spec.pool import PoolSpec
+
+SOURCE = "<data>"  # pseudo-node that produces SOURCE_KEYS
+
+
+@dataclass(frozen=True)
+class Node:
+    """A node with its keys resolved (defaults filled in from the op)."""
+
+    name: str
+    op: str
+    model: str
+    role: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    spec: NodeSpec
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A validated graph: nodes in a topological order, the DAG, placement and layouts."""
+
+    spec: GraphSpec
+    file: str
+    nodes: tuple[Node, ...]
+    dag: nx.DiGraph  # node name -> node name, edge attribute "keys"
+    pools: dict[str, PoolSpec]
+    placement: dict[str, str]  # model name -> pool name
+    layouts: dict[str, ParallelLayout]  # model name -> training layout with dp resolved
+
+    def node(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
+
+    def producers(self, node: Node) -> dict[str, str]:
+        """Input key -> producing node name (``SOURCE`` for the data source)."""
+        out = {}
+        for src, _, keys in self.dag.in_edges(node.name, data="keys"):
+            for key in keys:
+                out[key] = src
+        return out
+
+    def models_on(self, pool: str) -> list[str]:
+        return [m for m, p in self.placement.items() if p == pool]
+
+    @property
+    def actor(self) -> str:
+        return next(name for name, m in self.spec.models.items() if m.role == "actor")
+
+
+def _resolve_nodes(spec: GraphSpec, file: str) -> list[Node]:
+    nodes, seen = [], {}
+    for i, node in enumerate(spec.nodes):
+        where = f"nodes[{i}]"
+        if node.name in seen:
+            raise SpecError(file, f"{where}.name", f"duplicate node name {node.name!r}")
+        seen[node.name] = i
+        model: ModelSpec | None = spec.models.get(node.model)
+        if model is None:
+            raise SpecError(
+                file, f"{where}.model", f"unknown model {node.model!r}; expected one of {sorted(spec.models)}"
+            )
+        info = OPS[node.op]
+        if model.role not in info.roles:
+            raise SpecError(
+                file,
+                f"{where}.op",
+                f"a {model.role} cannot {node.op} (model {node.model!r}); "
+                f"{node.op} runs on {sorted(info.roles)}",
+            )
+        if node.op == "generate" and model.rollout is None:
+            raise SpecError(
+                file, f"models.{node.model}.rollout", "an actor that generates needs rollout settings"
+            )
+        inputs = tuple(node.inputs) if node.inputs is not None else info.default_inputs(model.role)
+        outputs = tuple(node.outputs) if node.outputs is not None else info.default_outputs(model.role)
+        nodes.append(Node(node.name, node.op, node.model, model.role, inputs, outputs, node))
+    return nodes
+
+
+def _build_dag(nodes: list[Node], file: str) -> nx.DiGraph:
+    producer: dict[str, str] = {key: SOURCE for key in SOURCE_KEYS}
+    for i, node in enumerate(nodes):
+        for key in node.outputs:
+            if key in producer:
+                raise SpecError(
+                    file,
+                    f"nodes[{i}].outputs",
+                    f"key {key!r} is already produced by {producer[key]!r}; each key needs one producer",
+                )
+            producer[key] = node.name
+    dag = nx.DiGraph()
+    dag.add_node(SOURCE)
+    dag.add_nodes_from(n.name for n in nodes)
+    for i, node in enumerate(nodes):
+        for key in node.inputs:
+            if key not in producer:
+                raise SpecError(
+                    file,
+                    f"nodes[{i}].inputs",
+                    f"key {key!r} is produced by no node; produced keys: {sorted(producer)}",
+                )
+            src = producer[key]
+            if dag.has_edge(src, node.name):
+                dag.edges[src, node.name]["keys"].append(key)
+            else:
+                dag.add_edge(src, node.name, keys=[key])
+    try:
+        cycle = nx.find_cycle(dag)
+    except nx.NetworkXNoCycle:
+        return dag
+    path = " -> ".join([cycle[0][0]] + [edge[1] for edge in cycle])
+    raise SpecError(file, "nodes", f"the graph has a cycle: {path}")
+
+
+def _resolve_placement(
+    spec: GraphSpec, pools: dict[str, PoolSpec], file: str, pool_file: str
+) -> tuple[dict[str, str], dict[str, ParallelLayout]]:
+    if not pools:
+        raise SpecError(pool_file, "pools", "no pool defined")
+    if spec.placement == "auto":
+        # Until the auto-mapper chooses, everything is colocated on the first pool.
+        first = next(iter(pools))
+        placement = {name: first for name in spec.models}
+    else:
+        placement = dict(spec.placement)
+        for name in spec.models:
+            if name not in placement:
+                raise SpecError(file, f"placement.{name}", "model has no pool; add it or use 'auto'")
+        for name, pool in placement.items():
+            if name not in spec.models:
+                raise SpecError(file, f"placement.{name}", f"unknown model; expected one of {sorted(spec.models)}")
+            if pool not in pools:
+                raise SpecError(
+                    file, f"placement.{name}", f"unknown pool {pool!r}; {pool_file} defines {sorted(pools)}"
+                )
+    layouts = {}
+    for name, model in spec.models.items():
+        pool = pools[placement[name]]
+        try:
+            layouts[name] = model.train.layout.resolve(pool.num_devices)
+        except ValueError as exc:
+            raise SpecError(file, f"models.{name}.train.layout", f"{exc} (pool {placement[name]!r})") from None
+        if model.rollout is not None:
+            gen = model.rollout.layout
+            if layouts[name].tp % gen.tp or layouts[name].pp % gen.pp:
+                raise SpecError(
+                    file,
+                    f"models.{name}.rollout.layout",
+                    f"generation tp/pp ({gen.tp}/{gen.pp}) must divide training tp/pp "
+                    f"({layouts[name].tp}/{layouts[name].pp})",
+                )
+    return placement, layouts
+
+
+def build_graph(spec: GraphSpec, file: str | Path = "<python graph>", pools_file: str | Path | None = None) -> Graph:
+    """Validate ``spec`` and derive its DAG. Raises ``SpecError`` (one line) on any mistake."""
+    file = str(file)
+    if not any(m.role == "actor" for m in spec.models.values()):
+        raise SpecError(file, "models", "a graph needs one model with role actor")
+    actors = [n for n, m in spec.models.items() if m.role == "actor"]
+    if len(actors) > 1:
+        raise SpecError(file, "models", f"one actor per graph, found {actors}")
+    nodes = _resolve_nodes(spec, file)
+    dag = _build_dag(nodes, file)
+    order = [n for n in nx.topological_sort(dag) if n != SOURCE]
+    by_name = {n.name: n for n in nodes}
+    pool_path = resolve_relative(str(pools_file or spec.resources), file if Path(file).is_file() else None)
+    pools = dict(load_pools(pool_path).pools)
+    placement, layouts = _resolve_placement(spec, pools, file, str(pool_path))
+    return Graph(
+        spec=spec,
+        file=file,
+        nodes=tuple(by_name[n] for n in order),
+        dag=dag,
+        pools=pools,
+        placement=placement,
+        layouts=layouts,
+    )
+
+
+def load_graph(path: str | Path, overrides: list[str] = (), pools_file: str | Path | None = None) -> Graph:
+    """Read, override and validate a graph file."""
+    return build_graph(load_graph_spec(path, overrides), path, pools_file)

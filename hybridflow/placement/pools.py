@@ -1,0 +1,133 @@
+"""Resource pools: a named set of devices reserved as one Ray placement group.
+
+One bundle per device (rank): ``{"CPU": cpus_per_device}`` plus ``{"GPU": 1}`` on GPU pools.
+Rank ``r`` of a worker group on the pool is scheduled into bundle ``r``.
+
+The group is created with the ``PACK`` strategy (as few nodes as possible), which is right for
+the single-node pools we run today. A multi-node pool that must put exactly
+``devices_per_node`` ranks on each node needs per-node handling (``STRICT_PACK`` groups per node,
+or ``bundle_label_selector``); that comes later and is rejected here rather than half-honoured.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hybridflow.spec.pool import PoolSpec
+
+
+class PoolUnavailableError(RuntimeError):
+    """The cluster could not reserve a pool's bundles in time."""
+
+
+class ResourcePool:
+    """A named pool of ``spec.num_devices`` devices, reserved by ``create()``."""
+
+    def __init__(self, name: str, spec: PoolSpec) -> None:
+        self.name = name
+        self.spec = spec
+        self._placement_group: PlacementGroup | None = None
+
+    @property
+    def bundles(self) -> list[dict[str, float]]:
+        bundle = {"CPU": float(self.spec.cpus_per_device)}
+        if self.spec.device == "gpu":
+            bundle["GPU"] = 1.0
+        return [dict(bundle) for _ in range(self.spec.num_devices)]
+
+    @property
+    def placement_group(self) -> PlacementGroup:
+        if self._placement_group is None:
+            raise RuntimeError(f"resource pool {self.name!r} is not created; call create() first")
+        return self._placement_group
+
+    @property
+    def created(self) -> bool:
+        return self._placement_group is not None
+
+    def create(self, timeout_s: float = 60.0) -> PlacementGroup:
+        """Reserve the bundles and wait until every one is placed; idempotent.
+
+        Raises ``PoolUnavailableError`` (and withdraws the request, so it cannot grab resources
+        later) when the bundles are not placed within ``timeout_s``.
+        """
+        if self._placement_group is not None:
+            return self._placement_group
+        if self.spec.nodes > 1:
+            raise NotImplementedError(
+                f"resource pool {self.name!r}: nodes={self.spec.nodes}; multi-node pools need "
+                "per-node bundle placement, which is not implemented yet (use nodes: 1)"
+            )
+        pg = placement_group(self.bundles, strategy="PACK", name=f"hybridflow:{self.name}")
+        # ray.wait, not pg.wait: pg.wait truncates its timeout to whole seconds.
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        if not ready:
+            remove_placement_group(pg)
+            raise PoolUnavailableError(self._shortage_message(timeout_s))
+        self._placement_group = pg
+        return pg
+
+    def scheduling_strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        """Where rank ``rank`` runs: its own bundle of this pool's placement group."""
+        if not 0 <= rank < self.spec.num_devices:
+            raise IndexError(
+                f"rank {rank} out of range for pool {self.name!r} "
+                f"of {self.spec.num_devices} devices"
+            )
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.placement_group,
+            placement_group_bundle_index=rank,
+        )
+
+    def free_address(self, rank: int = 0, timeout_s: float = 60.0) -> tuple[str, int]:
+        """The IP of rank ``rank``'s node and a TCP port free there now (for a rendezvous).
+
+        Probed by a zero-CPU task in the rank's bundle. The port is released before it is
+        returned, so another process could take it first; a failed rendezvous says so.
+        """
+        probe = _node_ip_and_free_port.options(scheduling_strategy=self.scheduling_strategy(rank))
+        return tuple(ray.get(probe.remote(), timeout=timeout_s))
+
+    def remove(self) -> None:
+        """Release the bundles; workers still placed on them are killed by Ray."""
+        if self._placement_group is not None:
+            remove_placement_group(self._placement_group)
+            self._placement_group = None
+
+    def _shortage_message(self, timeout_s: float) -> str:
+        num = self.spec.num_devices
+        cpus_asked = num * self.spec.cpus_per_device
+        total = ray.cluster_resources()
+        free = ray.available_resources()
+        parts = [
+            f"resource pool {self.name!r} could not be placed within {timeout_s:g} s: it asks for "
+            f"{num} bundle(s) of {self.spec.cpus_per_device:g} CPU = {cpus_asked:g} CPUs, the "
+            f"cluster has {total.get('CPU', 0.0):g} CPUs ({free.get('CPU', 0.0):g} free)"
+        ]
+        if self.spec.device == "gpu":
+            parts.append(
+                f"; and {num} GPUs, the cluster has {total.get('GPU', 0.0):g} "
+                f"({free.get('GPU', 0.0):g} free)"
+            )
+        parts.append(
+            ". Lower devices_per_node or cpus_per_device in the pool file, or start Ray with "
+            "more resources."
+        )
+        return "".join(parts)
+
+    def __repr__(self) -> str:
+        state = "created" if self.created else "not created"
+        return f"ResourcePool({self.name!r}, {self.spec.num_devices} x {self.spec.device}, {state})"
+
+
+# Lives here, not beside the workers, so the probe's process does not import torch.
+@ray.remote(num_cpus=0)
+def _node_ip_and_free_port() -> tuple[str, int]:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return ray.util.get_node_ip_address(), port

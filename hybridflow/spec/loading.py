@@ -1,0 +1,147 @@
+"""Reading graph and pool files: YAML, dotted command-line overrides, one-line errors."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from hybridflow.spec.graph import GraphSpec
+from hybridflow.spec.pool import PoolsFile
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class SpecError(ValueError):
+    """A user mistake in an input file: ``FILE: field.path: what was expected``, one line."""
+
+    def __init__(self, file: str | Path, field: str, message: str):
+        self.file, self.field, self.message = str(file), field, message
+        where = f"{self.file}: {field}: " if field else f"{self.file}: "
+        super().__init__((where + message).replace("\n", " "))
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(path, "", "file not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark is not None else ""
+        raise SpecError(path, where, f"invalid YAML ({getattr(exc, 'problem', exc)})") from None
+    if not isinstance(raw, dict):
+        raise SpecError(path, "", f"expected a mapping at the top level, got {type(raw).__name__}")
+    return raw
+
+
+def _step(container: Any, part: str, path: str, create: bool) -> Any:
+    """Index one dotted-path part into a dict or a list (by position or by a node's name)."""
+    if isinstance(container, dict):
+        if part not in container:
+            if not create:
+                raise KeyError(path)
+            container[part] = {}
+        return part
+    if isinstance(container, list):
+        if part.isdigit() and int(part) < len(container):
+            return int(part)
+        for i, item in enumerate(container):
+            if isinstance(item, dict) and item.get("name") == part:
+                return i
+        raise KeyError(path)
+    raise KeyError(path)
+
+
+def apply_overrides(raw: dict, overrides: list[str], file: str | Path) -> dict:
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a copy of ``raw``.
+
+    List items can be named by index or, for ``nodes``, by node name:
+    ``nodes.update.options.kl_coef=0.01``.
+    """
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise SpecError(file, item, "an override must look like a.b.c=value")
+        try:
+            value = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError:
+            value = text
+        parts = key.split(".")
+        node: Any = raw
+        try:
+            for depth, part in enumerate(parts[:-1]):
+                index = _step(node, part, ".".join(parts[: depth + 1]), create=True)
+                if node[index] is None:
+                    node[index] = {}
+                node = node[index]
+            last = _step(node, parts[-1], key, create=True)
+        except KeyError as exc:
+            raise SpecError(file, key, f"override path {exc.args[0]!r} does not exist") from None
+        node[last] = value
+    return raw
+
+
+def _field_path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("generate", "log_prob", "values", "score", "advantage", "update"):
+            continue  # discriminated-union tag, not a field the user wrote
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def validate_model(model: type[M], raw: dict, file: str | Path) -> M:
+    """Build a spec model, turning the first pydantic error into a one-line SpecError."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        more = len(exc.errors()) - 1
+        field = _field_path(err["loc"])
+        if err["type"] == "extra_forbidden":
+            message = "unknown field"
+        elif err["type"] == "missing":
+            message = "field required"
+        else:
+            message = err["msg"].removeprefix("Value error, ")
+            if "input" in err and not isinstance(err["input"], (dict, list)):
+                message += f" (got {err['input']!r})"
+        if err["type"] == "union_tag_invalid":
+            message = f"unknown op {err['input']!r}; expected one of {err['ctx']['expected_tags']}"
+        if more:
+            message += f" (+{more} more error{'s' if more > 1 else ''})"
+        raise SpecError(file, field, message) from None
+
+
+def load_graph_spec(path: str | Path, overrides: list[str] = ()) -> GraphSpec:
+    raw = apply_overrides(read_yaml(path), list(overrides), path)
+    return validate_model(GraphSpec, raw, path)
+
+
+def load_pools(path: str | Path) -> PoolsFile:
+    return validate_model(PoolsFile, read_yaml(path), path)
+
+
+def resolve_relative(path: str, graph_file: str | Path | None) -> Path:
+    """A path as given if it exists from the current directory, else next to the graph file.
+
+    Shipped graphs name ``resource_pools/local_cpu.yaml``; that must work from the repository
+    root and from anywhere the graph file is given by path.
+    """
+    candidate = Path(path)
+    if candidate.is_absolute() or candidate.exists() or graph_file is None:
+        return candidate
+    beside = Path(graph_file).resolve().parent / path
+    if beside.exists():
+        return beside
+    above = Path(graph_file).resolve().parent.parent / path  # graphs/../resource_pools
+    return above if above.exists() else candidate
