@@ -12,7 +12,7 @@ TINY_SOURCE = {"config": {"hidden_size": 64, "num_hidden_layers": 2}}
 
 
 def grpo(
-    n: int = 8,
+    n: int = 16,
     kl_coef: float = 0.001,
     reward_fn: str = "hybridflow.data.tasks:copy_reward",
     source: dict | None = None,
@@ -24,7 +24,7 @@ def grpo(
         "actor",
         role="actor",
         source=source,
-        train={"micro_batch_size": 64, "optim": {"lr": 0.003, "grad_clip": 1.0}},
+        train={"micro_batch_size": 64, "optim": {"lr": 0.001, "grad_clip": 1.0}},
         rollout={"engine": "hf", "n": n, "temperature": 1.0},
     )
     g.model("ref", role="ref", source=source)
@@ -55,5 +55,5 @@ def grpo(
         mini_batches=1,
     )
     g.data(source="builtin:copy", prompts_per_iteration=16, max_prompt_length=8, max_response_length=8)
-    g.trainer(iterations=60, seed=0, val_interval=10)
+    g.trainer(iterations=400, seed=0, val_interval=50)
     return g

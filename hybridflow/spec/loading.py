@@ -116,7 +116,7 @@ def validate_model(model: type[M], raw: dict, file: str | Path) -> M:
             if "input" in err and not isinstance(err["input"], (dict, list)):
                 message += f" (got {err['input']!r})"
         if err["type"] == "union_tag_invalid":
-            message = f"unknown op {err['input']!r}; expected one of {err['ctx']['expected_tags']}"
+            message = f"unknown op {err['ctx']['tag']!r}; expected one of {err['ctx']['expected_tags']}"
         if more:
             message += f" (+{more} more error{'s' if more > 1 else ''})"
         raise SpecError(file, field, message) from None

@@ -1,0 +1,146 @@
+"""Graph spec, validation rules, overrides and the Python builder (no Ray)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridflow.graph.dag import load_graph
+from hybridflow.graph.library import grpo
+from hybridflow.spec.loading import SpecError, apply_overrides, load_graph_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+GRPO = ROOT / "graphs" / "grpo.yaml"
+
+
+def write_variant(tmp_path: Path, edit) -> Path:
+    raw = yaml.safe_load(GRPO.read_text())
+    raw["resources"] = str(ROOT / "resource_pools" / "local_cpu.yaml")
+    edit(raw)
+    path = tmp_path / "graph.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def node(raw, name):
+    return next(n for n in raw["nodes"] if n["name"] == name)
+
+
+def test_shipped_graph_is_valid_and_ordered():
+    graph = load_graph(GRPO)
+    names = [n.name for n in graph.nodes]
+    assert names[0] == "generate" and names[-1] == "update_actor"
+    assert graph.producers(graph.node("update_actor")) == {
+        "responses": "generate",
+        "old_log_probs": "old_log_prob",
+        "ref_log_probs": "ref_log_prob",
+        "advantages": "advantage",
+    }
+    assert graph.layouts["actor"].dp == 2
+
+
+@pytest.mark.parametrize(
+    "edit, field, expected",
+    [
+        # cycle
+        (lambda r: node(r, "generate").update(inputs=["prompts", "advantages"]), "nodes", "cycle"),
+        # key nobody produces
+        (lambda r: node(r, "advantage").update(inputs=["responses", "values"]), "nodes[4].inputs", "produced by no node"),
+        # key produced twice
+        (lambda r: node(r, "ref_log_prob").update(outputs=["old_log_probs"]), "nodes[2].outputs", "already produced"),
+        # op the role cannot do
+        (lambda r: node(r, "generate").update(model="ref"), "nodes[0].op", "a ref cannot generate"),
+        (lambda r: r["nodes"].append({"name": "u", "op": "update", "model": "ref", "inputs": ["responses"]}), "nodes[6].op", "a ref cannot update"),
+        # unknown field
+        (lambda r: r["models"]["actor"]["rollout"].update(nn=3), "models.actor.rollout.nn", "unknown field"),
+        (lambda r: node(r, "update_actor")["options"].update(clip=0.1), "nodes[5].options.clip", "unknown field"),
+        # layout that does not divide its pool
+        (lambda r: r["models"]["actor"]["train"].update(layout={"tp": 3}), "models.actor.train.layout", "does not divide"),
+        (lambda r: r["models"]["actor"]["train"].update(layout={"dp": 4}), "models.actor.train.layout", "pool has 2 devices"),
+        # other mistakes a user makes
+        (lambda r: node(r, "generate").update(op="sample"), "nodes[0]", "unknown op 'sample'"),
+        (lambda r: r["placement"].update(actor="gpus"), "placement.actor", "unknown pool 'gpus'"),
+        (lambda r: node(r, "reward").update(model="rm"), "nodes[3].model", "unknown model 'rm'"),
+        (lambda r: r["models"]["actor"].update(source={"config": {}, "path": "x"}), "models.actor.source", "exactly one"),
+        (lambda r: r["models"]["actor"]["rollout"].update(temperature=-1), "models.actor.rollout.temperature", "greater than 0"),
+    ],
+)
+def test_validation_errors_name_file_and_field(tmp_path, edit, field, expected):
+    path = write_variant(tmp_path, edit)
+    with pytest.raises(SpecError) as info:
+        load_graph(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path}: {field}"), message
+    assert expected in message
+
+
+def test_overrides_by_path_index_and_node_name():
+    raw = yaml.safe_load(GRPO.read_text())
+    out = apply_overrides(
+        raw,
+        ["trainer.iterations=20", "models.actor.rollout.n=4", "nodes.update_actor.options.kl_coef=0.01", "nodes.0.name=gen"],
+        GRPO,
+    )
+    assert out["trainer"]["iterations"] == 20
+    assert out["models"]["actor"]["rollout"]["n"] == 4
+    assert node(out, "update_actor")["options"]["kl_coef"] == 0.01
+    assert out["nodes"][0]["name"] == "gen"
+    assert raw["trainer"]["iterations"] == 400  # the original is untouched
+    with pytest.raises(SpecError, match="override path 'nodes.nope' does not exist"):
+        apply_overrides(raw, ["nodes.nope.options.kl_coef=1"], GRPO)
+    with pytest.raises(SpecError, match="a.b.c=value"):
+        apply_overrides(raw, ["trainer.iterations"], GRPO)
+
+
+def test_overridden_spec_is_validated():
+    spec = load_graph_spec(GRPO, ["trainer.iterations=20", "models.actor.rollout.n=4"])
+    assert spec.trainer.iterations == 20 and spec.models["actor"].rollout.n == 4
+    with pytest.raises(SpecError, match="trainer.iterations"):
+        load_graph_spec(GRPO, ["trainer.iterations=zero"])
+
+
+def test_python_builder_equals_yaml():
+    assert grpo().spec() == load_graph_spec(GRPO)
+    assert [n.name for n in grpo().build().nodes] == [n.name for n in load_graph(GRPO).nodes]
+    assert grpo(n=4).spec() != load_graph_spec(GRPO)
+
+
+def test_validate_cli_exit_codes(tmp_path):
+    ok = subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli.main", "validate", *map(str, sorted((ROOT / "graphs").glob("*.yaml")))],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert ok.returncode == 0, ok.stderr
+    bad = write_variant(tmp_path, lambda r: node(r, "advantage").update(inputs=["values"]))
+    broken = subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli.main", "validate", str(bad)],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert broken.returncode == 2
+    assert broken.stderr.count("\n") == 1 and "Traceback" not in broken.stderr
+    assert f"{bad}: nodes[4].inputs" in broken.stderr
+    yaml_error = tmp_path / "bad.yaml"
+    yaml_error.write_text("name: [unclosed\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli.main", "validate", str(yaml_error)],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert out.returncode == 2 and "invalid YAML" in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_validation_imports_no_heavy_packages():
+    code = (
+        "import sys; from hybridflow.graph.dag import load_graph; "
+        f"load_graph({str(GRPO)!r}); "
+        "heavy = [m for m in ('ray', 'vllm', 'megatron', 'torch', 'transformers') if m in sys.modules]; "
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    heavy = eval(out.stdout.strip())
+    assert not {"ray", "vllm", "megatron"} & set(heavy), heavy
