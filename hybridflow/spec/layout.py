@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ParallelLayout(BaseModel):
@@ -40,3 +40,39 @@ class ParallelLayout(BaseModel):
     def world_size(self) -> int:
         assert self.dp is not None, "resolve() the layout against its pool first"
         return self.tp * self.pp * self.dp
+
+
+class GenerationLayout(BaseModel):
+    """The actor's generation layout pg-tg-dg-d inside its resolved training layout p-t-d.
+
+    Generation runs ``tp``-way tensor- and ``pp``-way pipeline-parallel; each training
+    model-parallel group of ``p*t`` ranks splits into ``micro_dp = p*t / (pp*tp)`` generation
+    replicas (the micro-DP groups of HybridFlow's 3D-HybridEngine). Rank grouping:
+    ``hybridflow/hybrid_engine/groups.py``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    train: ParallelLayout = Field(description="The training layout, resolved (dp set).")
+    tp: int = Field(1, ge=1, description="Generation tensor-parallel size tg; divides train.tp.")
+    pp: int = Field(1, ge=1, description="Generation pipeline-parallel size pg; divides train.pp.")
+
+    @model_validator(mode="after")
+    def _fits_training(self) -> "GenerationLayout":
+        if self.train.dp is None:
+            raise ValueError("the training layout must be resolved (dp set) first")
+        if self.train.tp % self.tp:
+            raise ValueError(f"generation tp = {self.tp} does not divide training tp = {self.train.tp}")
+        if self.train.pp % self.pp:
+            raise ValueError(f"generation pp = {self.pp} does not divide training pp = {self.train.pp}")
+        return self
+
+    @property
+    def micro_dp(self) -> int:
+        """dg = p*t / (pg*tg): generation replicas per training model-parallel group."""
+        return self.train.model_parallel_size // (self.tp * self.pp)
+
+    @property
+    def dp(self) -> int:
+        """Generation replicas in all: dg * d."""
+        return self.micro_dp * self.train.world_size // self.train.model_parallel_size
