@@ -165,7 +165,7 @@ def test_ppo_clip_through_registry():
         ref_log_probs=zeros,  # an extra field, ignored
     )
     assert_close(loss_mat, t([[-1.0, 2.0]]), rtol=0, atol=0)
-    assert metrics == {"clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0}
+    assert metrics == {"clip_frac": 0.0, "dual_clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0}
 
 
 # -- aggregation --------------------------------------------------------------------------
@@ -230,7 +230,10 @@ def test_half_precision_logits_are_upcast():
 def test_registry_unknown_name_lists_known_names():
     with pytest.raises(KeyError) as info:
         ADV_ESTIMATORS.get("nope")
-    assert str(info.value) == "unknown advantage estimator 'nope'; known: grpo"
+    assert str(info.value) == (
+        "unknown advantage estimator 'nope'; known: gae, grpo, reinforce_plus_plus, "
+        "reinforce_plus_plus_baseline, remax, rloo"
+    )
     assert "token-mean" in LOSS_AGGS.names() and "ppo_clip" in POLICY_LOSSES
 
 

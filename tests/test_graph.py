@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from hybridflow.graph.dag import load_graph
-from hybridflow.graph.library import grpo
+from hybridflow.graph.library import ALGORITHMS
 from hybridflow.spec.loading import SpecError, apply_overrides, load_graph_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,10 +104,13 @@ def test_overridden_spec_is_validated():
         load_graph_spec(GRPO, ["trainer.iterations=zero"])
 
 
-def test_python_builder_equals_yaml():
-    assert grpo().spec() == load_graph_spec(GRPO)
-    assert [n.name for n in grpo().build().nodes] == [n.name for n in load_graph(GRPO).nodes]
-    assert grpo(n=4).spec() != load_graph_spec(GRPO)
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_python_builder_equals_yaml(name):
+    path = ROOT / "graphs" / f"{name}.yaml"
+    builder = ALGORITHMS[name]
+    assert builder().spec() == load_graph_spec(path)
+    assert [n.name for n in builder().build().nodes] == [n.name for n in load_graph(path).nodes]
+    assert builder(kl_coef=0.5).spec() != load_graph_spec(path)
 
 
 def test_validate_cli_exit_codes(tmp_path):

@@ -3,10 +3,29 @@
 No Ray, vLLM or megatron here. Functions the graph refers to by name live in the registries.
 """
 
-from hybridflow.algos.advantages import grpo_advantage
-from hybridflow.algos.kl import KL_ESTIMATORS, KLEstimator, kl_penalty
+from hybridflow.algos.advantages import (
+    discounted_returns,
+    gae_advantage,
+    grpo_advantage,
+    masked_whiten,
+    reinforce_plus_plus_advantage,
+    reinforce_plus_plus_baseline_advantage,
+    remax_advantage,
+    rloo_advantage,
+    safe_rlhf_advantage,
+)
+from hybridflow.algos.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLEstimator,
+    kl_penalty,
+)
+from hybridflow.algos.lagrangian import LagrangeMultiplier
 from hybridflow.algos.losses import (
     agg_loss,
+    clipped_value_loss,
+    explained_variance,
     entropy_from_logits,
     log_probs_from_logits,
     masked_mean,
@@ -23,6 +42,19 @@ from hybridflow.algos.registry import (
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "LagrangeMultiplier",
+    "clipped_value_loss",
+    "discounted_returns",
+    "explained_variance",
+    "gae_advantage",
+    "masked_whiten",
+    "reinforce_plus_plus_advantage",
+    "reinforce_plus_plus_baseline_advantage",
+    "remax_advantage",
+    "rloo_advantage",
+    "safe_rlhf_advantage",
     "KL_ESTIMATORS",
     "LOSS_AGGS",
     "POLICY_LOSSES",

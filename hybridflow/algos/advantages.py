@@ -6,14 +6,91 @@ accepts and ignores extra keyword arguments, so a caller can pass one uniform se
 
     advantages, returns = ADV_ESTIMATORS.get(name)(**batch_fields, **options)
 
+Fields an estimator may take (all (B, ...) tensors, aligned with ``responses``):
+
+- ``scores`` (B,): sequence-level reward; ``token_rewards`` (B, R): per-token reward (the score
+  on the last valid token, minus a KL penalty when the graph puts KL in the reward);
+- ``values`` (B, R): critic values; ``baseline_scores`` (B,): reward of a baseline response
+  (ReMax: the greedy one); ``uid`` (B,): prompt id; ``response_mask`` (B, R).
+
+Every estimator returns ``(advantages, returns)``, both (B, R) and zero outside
+``response_mask``. They are batch functions: the worker calls them on the *whole* rollout batch
+(gathered over data-parallel ranks), so batch-wide statistics (whitening, ``scope="batch"``)
+do not depend on the number of ranks.
+
 Shapes: B = samples, R = response length.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from hybridflow.algos.registry import ADV_ESTIMATORS
+
+GroupScope = Literal["group", "batch"]
+
+
+def _check_seq(scores: torch.Tensor, response_mask: torch.Tensor, name: str) -> torch.Tensor:
+    if scores.dim() != 1 or response_mask.dim() != 2 or response_mask.shape[0] != scores.shape[0]:
+        raise ValueError(
+            f"{name} expects scores (B,) and response_mask (B, R); got "
+            f"{tuple(scores.shape)}, {tuple(response_mask.shape)}"
+        )
+    return scores if scores.is_floating_point() else scores.float()
+
+
+def _broadcast(seq_values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) -> (B, R): each sequence value on its response tokens, 0 elsewhere."""
+    return seq_values.unsqueeze(-1) * response_mask.to(seq_values.dtype)
+
+
+def _group_stats(
+    scores: torch.Tensor, uid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sample: its group's size, sum, and sum of squared deviations from the group mean."""
+    if uid.shape != scores.shape:
+        raise ValueError(f"uid {tuple(uid.shape)} must match scores {tuple(scores.shape)}")
+    _, group_of = torch.unique(uid, return_inverse=True)
+    num_groups = int(group_of.max()) + 1 if group_of.numel() else 0
+    counts = torch.bincount(group_of, minlength=num_groups).to(scores.dtype)
+    sums = scores.new_zeros(num_groups).index_add_(0, group_of, scores)
+    centered = scores - (sums / counts)[group_of]
+    sq_sums = scores.new_zeros(num_groups).index_add_(0, group_of, centered.square())
+    return counts[group_of], sums[group_of], sq_sums[group_of]
+
+
+def masked_whiten(
+    values: torch.Tensor, mask: torch.Tensor, epsilon: float = 1e-8, shift_mean: bool = True
+) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + epsilon)`` over the tokens where ``mask`` (B, R) is 1.
+
+    The variance is the unbiased one (n - 1), 0 for a single token; masked-out entries are 0.
+    With ``shift_mean=False`` the mean is added back (only the scale changes).
+    """
+    mask_f = mask.to(values.dtype)
+    count = mask_f.sum()
+    mean = (values * mask_f).sum() / count.clamp(min=1)
+    var = ((values - mean).square() * mask_f).sum() / (count - 1).clamp(min=1)
+    whitened = (values - mean) * torch.rsqrt(var + epsilon)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask_f
+
+
+def discounted_returns(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
+) -> torch.Tensor:
+    """``G_t = sum_{k >= t, k valid} gamma^(k - t) r_k`` per token, 0 outside the mask. (B, R)."""
+    mask_f = response_mask.to(token_rewards.dtype)
+    rewards = token_rewards * mask_f
+    returns = torch.zeros_like(rewards)
+    running = rewards.new_zeros(rewards.shape[0])
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    return returns * mask_f
 
 
 @ADV_ESTIMATORS.register("grpo")
@@ -23,14 +100,16 @@ def grpo_advantage(
     uid: torch.Tensor,
     norm_by_std: bool = True,
     epsilon: float = 1e-6,
+    scope: GroupScope = "group",
     **_,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-relative advantage (GRPO): each score against the other answers to its prompt.
 
-    A group is the samples sharing a ``uid``. Per sample,
-    ``A = (score - group_mean) / (group_std + epsilon)`` (or ``score - group_mean`` when
-    ``norm_by_std`` is False), with ``group_std`` unbiased (``torch.std`` default). The sequence
-    advantage is broadcast over the response tokens and zeroed outside ``response_mask``.
+    A group is the samples sharing a ``uid`` (``scope="group"``) or the whole batch
+    (``scope="batch"``). Per sample, ``A = (score - group_mean) / (group_std + epsilon)`` (or
+    ``score - group_mean`` when ``norm_by_std`` is False: Dr.GRPO), with ``group_std`` unbiased
+    (``torch.std`` default). The sequence advantage is broadcast over the response tokens and
+    zeroed outside ``response_mask``.
 
     Conventions: a group of one sample has mean = its score and std = 1, so its advantage is 0
     (it has nothing to be compared with; the unbiased std would be NaN). A group whose scores are
@@ -42,34 +121,174 @@ def grpo_advantage(
         uid: (B,) int64, prompt id; equal within a group.
         norm_by_std: divide by the group std.
         epsilon: added to the std before dividing.
+        scope: ``"group"`` (per uid) or ``"batch"`` (one group of everything).
 
     Returns:
         ``(advantages, returns)``, both (B, R) in the dtype of ``scores`` (float32 if integer),
         equal in value (GRPO has no critic: the return target is the advantage).
     """
-    if scores.dim() != 1 or uid.shape != scores.shape or response_mask.shape[0] != scores.shape[0]:
-        raise ValueError(
-            f"grpo_advantage expects scores (B,), uid (B,), response_mask (B, R); got "
-            f"{tuple(scores.shape)}, {tuple(uid.shape)}, {tuple(response_mask.shape)}"
-        )
-    if not scores.is_floating_point():
-        scores = scores.float()
-    group_ids, group_of = torch.unique(uid, return_inverse=True)
-    num_groups = group_ids.numel()
-    counts = torch.bincount(group_of, minlength=num_groups).to(scores.dtype)
-
-    sums = scores.new_zeros(num_groups).index_add_(0, group_of, scores)
-    mean = (sums / counts)[group_of]
-    centered = scores - mean
+    scores = _check_seq(scores, response_mask, "grpo_advantage")
+    if scope == "batch":
+        uid = torch.zeros_like(scores, dtype=torch.int64)
+    counts, sums, sq_sums = _group_stats(scores, uid)
+    centered = scores - sums / counts
     if norm_by_std:
-        sq_sums = scores.new_zeros(num_groups).index_add_(0, group_of, centered.square())
-        singleton = counts < 2
-        # clamp keeps the size-1 division finite; those groups get std 1 below (advantage 0).
+        # clamp keeps the size-1 division finite; those groups get std 1 (advantage 0).
         std = (sq_sums / (counts - 1).clamp(min=1)).sqrt()
-        std = torch.where(singleton, torch.ones_like(std), std)[group_of]
-        seq_advantages = centered / (std + epsilon)
-    else:
-        seq_advantages = centered
-
-    advantages = seq_advantages.unsqueeze(-1) * response_mask.to(scores.dtype)
+        std = torch.where(counts < 2, torch.ones_like(std), std)
+        centered = centered / (std + epsilon)
+    advantages = _broadcast(centered, response_mask)
     return advantages, advantages.clone()
+
+
+@ADV_ESTIMATORS.register("rloo")
+def rloo_advantage(
+    scores: torch.Tensor, response_mask: torch.Tensor, uid: torch.Tensor, **_
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE leave-one-out: each score against the mean of the *other* samples of its prompt.
+
+    ``A_i = s_i - (sum_group - s_i) / (k - 1)`` for a group of ``k`` samples, equal to
+    ``k / (k - 1) * (s_i - group_mean)``. A group of one has no other sample: advantage 0.
+
+    Args:
+        scores: (B,) float; response_mask: (B, R); uid: (B,) int64.
+
+    Returns:
+        ``(advantages, returns)``, (B, R), equal in value.
+    """
+    scores = _check_seq(scores, response_mask, "rloo_advantage")
+    counts, sums, _ = _group_stats(scores, uid)
+    others_mean = (sums - scores) / (counts - 1).clamp(min=1)
+    seq = torch.where(counts > 1, scores - others_mean, torch.zeros_like(scores))
+    advantages = _broadcast(seq, response_mask)
+    return advantages, advantages.clone()
+
+
+@ADV_ESTIMATORS.register("remax")
+def remax_advantage(
+    scores: torch.Tensor, response_mask: torch.Tensor, baseline_scores: torch.Tensor, **_
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: the sampled response's reward minus the reward of the greedy response.
+
+    ``A = score - baseline_score`` on every response token (the return of a sequence-level reward
+    is the same at every token).
+
+    Args:
+        scores: (B,) float; response_mask: (B, R);
+        baseline_scores: (B,) float, reward of the greedy response to the same prompt.
+
+    Returns:
+        ``(advantages, returns)``, (B, R); ``returns`` is the score on every response token.
+    """
+    scores = _check_seq(scores, response_mask, "remax_advantage")
+    if baseline_scores.shape != scores.shape:
+        raise ValueError(
+            f"remax_advantage: baseline_scores {tuple(baseline_scores.shape)} must match scores "
+            f"{tuple(scores.shape)} (one greedy response per sampled one)"
+        )
+    advantages = _broadcast(scores - baseline_scores.to(scores.dtype), response_mask)
+    return advantages, _broadcast(scores, response_mask)
+
+
+@ADV_ESTIMATORS.register("reinforce_plus_plus")
+def reinforce_plus_plus_advantage(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    **_,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted token returns, whitened over the whole batch.
+
+    ``G_t = sum_{k >= t} gamma^(k - t) r_k``; ``A = masked_whiten(G)`` (mean 0, unit variance
+    over all valid tokens of the batch; the unbiased variance, epsilon 1e-8).
+
+    Args:
+        token_rewards: (B, R) float (KL penalty already subtracted when it is in the reward).
+        response_mask: (B, R); gamma: discount.
+
+    Returns:
+        ``(advantages, returns)``: the whitened and the raw returns, (B, R).
+    """
+    returns = discounted_returns(token_rewards, response_mask, gamma)
+    return masked_whiten(returns, response_mask), returns
+
+
+@ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline_advantage(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    uid: torch.Tensor,
+    gamma: float = 1.0,
+    **_,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group baseline: the group-mean return is subtracted before whitening.
+
+    ``A_t = whiten(G_t - mean_{j in group} G_0^j)``: each token's discounted return minus the mean
+    sequence return ``G_0`` of the samples sharing its ``uid``, then whitened over the batch's
+    valid tokens. A group of one, or of equal returns, centres to 0 before whitening.
+
+    Args:
+        token_rewards: (B, R); response_mask: (B, R); uid: (B,) int64; gamma: discount.
+
+    Returns:
+        ``(advantages, returns)``, (B, R): whitened centred returns and the raw returns.
+    """
+    returns = discounted_returns(token_rewards, response_mask, gamma)
+    seq_return = returns[:, 0]
+    counts, sums, _ = _group_stats(seq_return, uid)
+    centred = returns - _broadcast(sums / counts, response_mask)
+    return masked_whiten(centred, response_mask), returns
+
+
+@ADV_ESTIMATORS.register("gae")
+def gae_advantage(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    gae_lambda: float = 1.0,
+    whiten: bool = False,
+    **_,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over the response tokens.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V_{t+1} = 0`` after the last valid token;
+    ``A_t = delta_t + gamma * lambda * A_{t+1}``; ``returns = A + V`` (the value target). With
+    ``whiten`` the advantages (not the returns) are whitened over the batch's valid tokens.
+
+    Args:
+        token_rewards: (B, R) float; values: (B, R) float, ``V`` of the state each token was
+            sampled in; response_mask: (B, R), right-padded; gamma, gae_lambda: in [0, 1].
+
+    Returns:
+        ``(advantages, returns)``, (B, R), 0 outside the mask.
+    """
+    if values.shape != token_rewards.shape or response_mask.shape != values.shape:
+        raise ValueError(
+            f"gae_advantage expects token_rewards, values, response_mask all (B, R); got "
+            f"{tuple(token_rewards.shape)}, {tuple(values.shape)}, {tuple(response_mask.shape)}"
+        )
+    mask_f = response_mask.to(values.dtype)
+    rewards = token_rewards.to(values.dtype) * mask_f
+    values = values * mask_f
+    advantages = torch.zeros_like(values)
+    next_value = values.new_zeros(values.shape[0])
+    next_advantage = values.new_zeros(values.shape[0])
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = (delta + gamma * gae_lambda * next_advantage) * mask_f[:, t]
+        advantages[:, t] = advantage
+        # A padded position passes nothing back: the episode ended before it.
+        next_value = values[:, t]
+        next_advantage = advantage
+    returns = (advantages + values) * mask_f
+    if whiten:
+        advantages = masked_whiten(advantages, response_mask)
+    return advantages, returns
+
+
+def safe_rlhf_advantage(
+    advantages: torch.Tensor, cost_advantages: torch.Tensor, lagrange_lambda: float
+) -> torch.Tensor:
+    """Safe-RLHF actor advantage: ``(A_reward - lambda * A_cost) / (1 + lambda)``. (B, R)."""
+    return (advantages - lagrange_lambda * cost_advantages) / (1.0 + lagrange_lambda)

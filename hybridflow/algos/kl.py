@@ -49,3 +49,45 @@ def kl_penalty(
         return log_ratio.exp() - log_ratio - 1
     expected = ", ".join(KL_ESTIMATORS)
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {expected}")
+
+
+class FixedKLController:
+    """A constant KL-penalty coefficient (the controller interface of ``AdaptiveKLController``)."""
+
+    def __init__(self, coef: float) -> None:
+        self.value = float(coef)
+
+    def update(self, current_kl: float, num_steps: int) -> None:
+        """Nothing to adapt."""
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """KL coefficient steered towards a target KL (Ziegler et al. 2019, "Fine-tuning LMs...").
+
+    After each batch: ``e = clip(current_kl / target - 1, -0.2, 0.2)`` and
+    ``coef *= 1 + e * num_steps / horizon``; the coefficient grows while the KL is above the
+    target and shrinks while it is below.
+    """
+
+    def __init__(self, init_coef: float, target: float, horizon: float) -> None:
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got {target}, {horizon}")
+        self.value = float(init_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, num_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * num_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])

@@ -26,30 +26,78 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 # -- aggregation ---------------------------------------------------------------------------
+# Every mode takes ``(loss_mat (B, R), mask (B, R), num_tokens, num_seqs)``; the two counts are
+# the *global* numbers of valid tokens and of sequences (all micro-batches, all data-parallel
+# ranks), so that summing the returned micro-batch losses gives the full-batch value. Left as
+# None they are this call's own counts (clamped at 1).
+
+
+def _counts(mask: torch.Tensor, num_tokens, num_seqs) -> tuple:
+    if num_tokens is None:
+        num_tokens = mask.sum().clamp(min=1)
+    if num_seqs is None:
+        num_seqs = max(mask.shape[0], 1)
+    return num_tokens, num_seqs
 
 
 @LOSS_AGGS.register("token-mean")
 def token_mean(
     loss_mat: torch.Tensor,
     mask: torch.Tensor,
-    normalizer: float | torch.Tensor | None = None,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``sum(loss_mat * mask) / normalizer``; ``normalizer`` defaults to ``mask.sum()``, at least 1.
+    """``sum(loss_mat * mask) / num_tokens``: every valid token weighs the same. () float."""
+    mask = mask.to(loss_mat.dtype)
+    num_tokens, _ = _counts(mask, num_tokens, num_seqs)
+    return (loss_mat * mask).sum() / num_tokens
 
-    Args:
-        loss_mat: (B, R) float, per-token losses.
-        mask: (B, R), 1 on tokens that count.
-        normalizer: the number of tokens to divide by. Pass the global count (all micro-batches,
-            all data-parallel ranks) so that summing the returned losses gives the token mean of
-            the whole batch.
 
-    Returns:
-        () float.
+@LOSS_AGGS.register("seq-mean-token-sum")
+def seq_mean_token_sum(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``sum_i (sum_t loss_it * mask_it) / num_seqs``: long sequences weigh more. () float."""
+    mask = mask.to(loss_mat.dtype)
+    _, num_seqs = _counts(mask, num_tokens, num_seqs)
+    return (loss_mat * mask).sum(-1).sum() / num_seqs
+
+
+@LOSS_AGGS.register("seq-mean-token-mean")
+def seq_mean_token_mean(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``sum_i mean_t(loss_it over valid t) / num_seqs``: every sequence weighs the same.
+
+    A sequence without valid tokens contributes 0 (and still counts in ``num_seqs``). () float.
     """
     mask = mask.to(loss_mat.dtype)
-    if normalizer is None:
-        normalizer = mask.sum().clamp(min=1)
-    return (loss_mat * mask).sum() / normalizer
+    _, num_seqs = _counts(mask, num_tokens, num_seqs)
+    per_seq = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_seq.sum() / num_seqs
+
+
+@LOSS_AGGS.register("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``sum(loss_mat * mask) / (num_seqs * R)``: token sums over a constant (Dr.GRPO).
+
+    ``R = loss_mat.shape[1]``, the maximum response length, so the weight of a token does not
+    depend on the lengths of the other responses in the batch. () float.
+    """
+    mask = mask.to(loss_mat.dtype)
+    _, num_seqs = _counts(mask, num_tokens, num_seqs)
+    return (loss_mat * mask).sum() / (num_seqs * loss_mat.shape[1])
 
 
 def agg_loss(
@@ -57,9 +105,14 @@ def agg_loss(
     mask: torch.Tensor,
     mode: str = "token-mean",
     normalizer: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reduce a (B, R) loss matrix under ``mask`` (B, R) to a scalar with the ``LOSS_AGGS`` mode."""
-    return LOSS_AGGS.get(mode)(loss_mat, mask, normalizer=normalizer)
+    """Reduce a (B, R) loss matrix under ``mask`` (B, R) to a scalar with the ``LOSS_AGGS`` mode.
+
+    ``normalizer`` is the global number of valid tokens, ``num_seqs`` the global number of
+    sequences (see the modes above); None = this call's own counts.
+    """
+    return LOSS_AGGS.get(mode)(loss_mat, mask, num_tokens=normalizer, num_seqs=num_seqs)
 
 
 # -- policy losses -------------------------------------------------------------------------
@@ -72,19 +125,27 @@ def ppo_clip_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float | None = None,
     **_,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate, per token.
+    """PPO clipped surrogate, per token, with optional asymmetric clip and dual clip.
 
     ``ratio = exp(log_probs - old_log_probs)`` (log-ratio clamped to [-20, 20] against overflow),
-    ``loss = max(-A * ratio, -A * clip(ratio, 1 - clip_ratio, 1 + clip_ratio))``.
+    ``loss = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))`` with ``low`` / ``high``
+    defaulting to ``clip_ratio`` (DAPO's clip-higher sets ``high > low``). Dual clip (Ye et al.
+    2020): where ``A < 0`` the loss is further capped at ``-A * clip_ratio_c`` (``c > 1``), so a
+    huge ratio on a bad token cannot blow the loss up.
 
     Args:
         log_probs: (B, R) float, current policy log-probs of the sampled tokens (with grad).
         old_log_probs: (B, R) float, behaviour-policy log-probs of the same tokens.
         advantages: (B, R) float.
         response_mask: (B, R), 1 on response tokens; used only for the metrics.
-        clip_ratio: epsilon of the clip range.
+        clip_ratio: epsilon of the clip range (both sides unless overridden).
+        clip_ratio_low, clip_ratio_high: the lower / upper epsilon; None = ``clip_ratio``.
+        clip_ratio_c: dual-clip bound (> 1); None = off.
 
     Returns:
         ``(loss_mat, metrics)``: loss_mat (B, R), not masked (aggregate it with ``agg_loss``);
@@ -92,25 +153,97 @@ def ppo_clip_policy_loss(
 
         - ``clip_frac``: fraction of tokens where the clipped term is the larger (active) one,
           i.e. the token gets no gradient.
+        - ``dual_clip_frac``: fraction of tokens capped by the dual clip (0 when off).
         - ``approx_kl``: mean k3 estimate of ``KL(pi_old || pi)`` from the old policy's samples,
           ``ratio - 1 - log(ratio)``.
         - ``ratio_mean``: mean of ``ratio``.
     """
+    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     log_ratio = (log_probs - old_log_probs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
+    clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)
     loss_mat = torch.maximum(unclipped, clipped)
+    dual_mask = torch.zeros_like(loss_mat, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        if clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1 for dual clip, got {clip_ratio_c}")
+        cap = -advantages * clip_ratio_c
+        dual_mask = (advantages < 0) & (loss_mat > cap)
+        loss_mat = torch.where(dual_mask, cap, loss_mat)
 
     with torch.no_grad():
         clipped_mask = (clipped > unclipped).to(loss_mat.dtype)
         approx_kl = kl_penalty(old_log_probs, log_probs, "k3")
         metrics = {
             "clip_frac": masked_mean(clipped_mask, response_mask).item(),
+            "dual_clip_frac": masked_mean(dual_mask.to(loss_mat.dtype), response_mask).item(),
             "approx_kl": masked_mean(approx_kl, response_mask).item(),
             "ratio_mean": masked_mean(ratio, response_mask).item(),
         }
     return loss_mat, metrics
+
+
+def clipped_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_range: float | None = 0.2,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO value loss, per token: ``0.5 * max((V - R)^2, (V_clip - R)^2)``.
+
+    ``V_clip = V_old + clip(V - V_old, -clip_range, clip_range)`` keeps the new value near the
+    one the advantages were computed with; ``clip_range=None`` gives plain ``0.5 * (V - R)^2``.
+
+    Args:
+        values: (B, R) float, current critic values (with grad).
+        old_values: (B, R) float, the values the advantages were computed with.
+        returns: (B, R) float, value targets.
+        response_mask: (B, R); used only for the metrics.
+        clip_range: epsilon of the value clip, or None.
+
+    Returns:
+        ``(loss_mat, metrics)``: loss_mat (B, R), not masked; metrics ``vf_clip_frac`` (share
+        of tokens where the clipped term is the larger one) and ``value_mean``.
+    """
+    unclipped = (values - returns).square()
+    if clip_range is None:
+        loss_mat = 0.5 * unclipped
+        clip_frac = torch.zeros_like(loss_mat)
+    else:
+        clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
+        clipped = (clipped_values - returns).square()
+        loss_mat = 0.5 * torch.maximum(unclipped, clipped)
+        clip_frac = (clipped > unclipped).to(loss_mat.dtype)
+    with torch.no_grad():
+        metrics = {
+            "vf_clip_frac": masked_mean(clip_frac, response_mask).item(),
+            "value_mean": masked_mean(values.detach(), response_mask).item(),
+        }
+    return loss_mat, metrics
+
+
+def explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
+) -> float:
+    """``1 - Var(returns - values) / Var(returns)`` over the valid tokens of (B, R) tensors.
+
+    1 = perfect prediction, 0 = no better than the mean, negative = worse. ``nan`` when the
+    returns have no variance.
+    """
+    mask_f = mask.to(returns.dtype)
+    count = mask_f.sum().clamp(min=1)
+
+    def var(x: torch.Tensor) -> torch.Tensor:
+        mean = (x * mask_f).sum() / count
+        return ((x - mean).square() * mask_f).sum() / count
+
+    var_returns = var(returns)
+    if float(var_returns) == 0.0:
+        return float("nan")
+    return float(1.0 - var(returns - values) / var_returns)
 
 
 # -- read-outs of logits -------------------------------------------------------------------

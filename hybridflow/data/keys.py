@@ -42,6 +42,13 @@ SCORES = "scores"  # (B,) float, sequence-level reward from a reward node
 TOKEN_REWARDS = "token_rewards"  # (B, R) float, SCORES placed on the last valid response token
 ADVANTAGES = "advantages"  # (B, R) float, per-token advantages (zero outside response_mask)
 RETURNS = "returns"  # (B, R) float, value targets
+BASELINE_SCORES = "baseline_scores"  # (B,) float, reward of the baseline (ReMax: greedy) response
+
+# -- costs (Safe-RLHF): the same shapes as their reward twins ---------------------------------
+COSTS = "costs"  # (B,) float, sequence-level cost from a cost node
+COST_VALUES = "cost_values"  # (B, R) float, cost-critic value estimates
+COST_ADVANTAGES = "cost_advantages"  # (B, R) float, per-token cost advantages
+COST_RETURNS = "cost_returns"  # (B, R) float, cost-critic value targets
 
 # The graph-level key a node consumes names the data it needs; the node's producer may emit
 # companion fields with it. This maps each graph-level key to the batch fields it stands for.
@@ -64,6 +71,12 @@ GRAPH_KEYS: dict[str, tuple[str, ...]] = {
     "values": (VALUES,),
     "scores": (SCORES, TOKEN_REWARDS),
     "advantages": (ADVANTAGES, RETURNS),
+    # A second generation (ReMax's greedy one) carries the same fields under its own graph key.
+    "greedy_responses": (RESPONSES, RESPONSE_MASK, INPUT_IDS, ATTENTION_MASK, POSITION_IDS),
+    "baseline_scores": (BASELINE_SCORES,),
+    "costs": (COSTS,),
+    "cost_values": (COST_VALUES,),
+    "cost_advantages": (COST_ADVANTAGES, COST_RETURNS),
 }
 
 # Keys the data source provides before any node runs.

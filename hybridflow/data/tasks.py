@@ -50,6 +50,18 @@ def reverse_reward(prompt: str, response: str, ground_truth: str) -> float:
     return char_accuracy(response, ground_truth)
 
 
+COST_LETTER = "a"
+
+
+def letter_cost(prompt: str, response: str, ground_truth: str) -> float:
+    """A cost that conflicts with the copy reward: 1.0 if the response uses the letter ``a``.
+
+    About 40% of copy prompts contain an ``a``; a perfect copier pays the cost on those, so a
+    policy under a tighter budget must give up some reward (leave the ``a`` out) to meet it.
+    """
+    return 1.0 if COST_LETTER in response else 0.0
+
+
 @dataclass(frozen=True)
 class Task:
     """A prompt generator with its answer rule, reward and tokenizer alphabet."""

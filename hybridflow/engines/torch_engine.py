@@ -125,7 +125,10 @@ class TorchTrainEngine(TrainEngine):
         if self.kind == "value":
             out = module(**inputs).logits  # (B, T, 1)
             values = out[:, -num_response_tokens - 1 : -1, 0].float()
-            return {K.VALUES: values * response_mask}
+            # A reward model scores the whole text: its output at the last valid token itself.
+            last = (response_mask.sum(-1) - 1).clamp(min=0)
+            last_values = out[:, -num_response_tokens:, 0].float().gather(1, last[:, None])[:, 0]
+            return {K.VALUES: values * response_mask, "last_values": last_values}
         # Only the last R + 1 positions go through the LM head.
         logits = module(**inputs, logits_to_keep=num_response_tokens + 1).logits[:, :-1]
         logits = logits / temperature
@@ -140,7 +143,8 @@ class TorchTrainEngine(TrainEngine):
         """No-grad forward in micro-batches; outputs (B, R) are zero outside ``response_mask``.
 
         Policy: ``{"log_probs", "entropy"}`` of ``responses`` under logits / temperature (float32).
-        Value: ``{"values"}``.
+        Value: ``{"values"}`` and ``{"last_values"}`` (B,), the output at the last valid
+        response token (what a reward model's score is).
         """
         was_training = self.module.training
         self.module.eval()

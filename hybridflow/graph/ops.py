@@ -39,7 +39,7 @@ OPS: dict[str, OpInfo] = {
     "score": OpInfo(
         roles=frozenset({"reward", "cost"}),
         inputs={"*": ("responses",)},
-        outputs={"*": ("scores",)},
+        outputs={"reward": ("scores",), "cost": ("costs",)},
     ),
     # Pure math: runs on the workers of whichever model the node names (put it next to its
     # consumer so the advantages never leave those processes).

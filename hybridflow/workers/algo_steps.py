@@ -1,0 +1,209 @@
+"""The algorithm side of the worker ops: which batch fields feed which estimator or loss.
+
+``ModelWorker`` calls these from its ``advantage`` and ``update`` methods; the math itself is in
+``hybridflow.algos``. Graph keys decide the fields: an advantage node reading ``costs`` and
+``cost_values`` and writing ``cost_advantages`` runs the same estimator as one reading
+``scores`` and ``values`` and writing ``advantages``, on the cost fields.
+
+Batch-wide statistics (whitening, ``scope: batch``, the mean cost of the Lagrangian, the
+critic's explained variance) are taken over the whole rollout batch: the small per-sample fields
+are all-gathered over the data-parallel group, so the result does not depend on the number of
+ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from hybridflow.algos import (
+    ADV_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    LagrangeMultiplier,
+    agg_loss,
+    clipped_value_loss,
+    explained_variance,
+    kl_penalty,
+    masked_mean,
+    safe_rlhf_advantage,
+)
+from hybridflow.data import keys as K
+from hybridflow.data.batch import place_sequence_reward
+from hybridflow.spec.graph import AdvantageOptions, GraphSpec, UpdateOptions
+
+# graph key of a sequence-level signal -> its batch field
+SCORE_KEYS = {"scores": K.SCORES, "costs": K.COSTS}
+VALUE_KEYS = {"values": K.VALUES, "cost_values": K.COST_VALUES}
+ADVANTAGE_KEYS = {"advantages": (K.ADVANTAGES, K.RETURNS), "cost_advantages": (K.COST_ADVANTAGES, K.COST_RETURNS)}
+
+
+def _pick(keys: list[str], table: dict, what: str, where: str, required: bool = True):
+    found = [table[k] for k in keys if k in table]
+    if len(found) > 1:
+        raise ValueError(f"{where}: more than one {what} among inputs {keys}")
+    if not found:
+        if required:
+            raise ValueError(f"{where}: needs one {what} ({' or '.join(table)}) among inputs {keys}")
+        return None
+    return found[0]
+
+
+def all_gather_rows(fields: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], slice]:
+    """Concatenate each field over the data-parallel ranks (rank order); this rank's row slice.
+
+    Without an initialised process group (or with one rank) the fields come back unchanged.
+    """
+    num_rows = next(iter(fields.values())).shape[0]
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return fields, slice(0, num_rows)
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, fields)
+    start = sum(next(iter(p.values())).shape[0] for p in parts[: dist.get_rank()])
+    gathered = {k: torch.cat([p[k] for p in parts]) for k in fields}
+    return gathered, slice(start, start + num_rows)
+
+
+def build_controllers(spec: GraphSpec, models: list[str]) -> dict[str, Any]:
+    """The state the algorithm keeps across iterations, for the nodes these workers run.
+
+    ``kl_ctrl/<node>``: KL-in-reward coefficient of an advantage node with ``kl_coef > 0``;
+    ``lagrange/<node>``: the Lagrange multiplier of a Safe-RLHF actor update. Each object has
+    ``state_dict``/``load_state_dict`` (the worker checkpoints them).
+    """
+    state: dict[str, Any] = {}
+    for node in spec.nodes:
+        if node.model not in models:
+            continue
+        opts = node.options
+        if node.op == "advantage" and opts.kl_coef > 0:
+            if opts.kl_target is None:
+                state[f"kl_ctrl/{node.name}"] = FixedKLController(opts.kl_coef)
+            else:
+                state[f"kl_ctrl/{node.name}"] = AdaptiveKLController(
+                    opts.kl_coef, opts.kl_target, opts.kl_horizon
+                )
+        if node.op == "update" and opts.safety is not None:
+            safety = opts.safety
+            state[f"lagrange/{node.name}"] = LagrangeMultiplier(
+                safety.lambda_init, safety.lambda_lr, safety.cost_threshold, safety.lambda_max
+            )
+    return state
+
+
+def compute_advantages(
+    batch: TensorDict,
+    options: dict[str, Any],
+    node: str,
+    inputs: list[str],
+    outputs: list[str],
+    state: dict[str, Any],
+) -> tuple[TensorDict, dict[str, float]]:
+    """Run the node's estimator on the whole batch; returns this rank's rows and metrics."""
+    opts = AdvantageOptions(**options)
+    where = f"advantage node {node!r}"
+    score_field = _pick(inputs, SCORE_KEYS, "score key", where)
+    values_field = _pick(inputs, VALUE_KEYS, "values key", where, required=False)
+    out_fields = _pick(outputs, ADVANTAGE_KEYS, "advantage key", where)
+    fields = {"scores": batch[score_field].float(), "response_mask": batch[K.RESPONSE_MASK]}
+    if K.UID in batch.keys():
+        fields["uid"] = batch[K.UID]
+    if values_field is not None:
+        fields["values"] = batch[values_field]
+    if "baseline_scores" in inputs:
+        fields["baseline_scores"] = batch[K.BASELINE_SCORES].float()
+    if opts.kl_coef > 0:
+        missing = [k for k in ("old_log_probs", "ref_log_probs") if k not in inputs]
+        if missing:
+            raise ValueError(f"{where}: kl_coef > 0 (KL in the reward) needs inputs {missing}")
+        fields["old_log_probs"] = batch[K.OLD_LOG_PROBS]
+        fields["ref_log_probs"] = batch[K.REF_LOG_PROBS]
+    fields, own = all_gather_rows(fields)
+
+    mask = fields["response_mask"]
+    token_rewards = place_sequence_reward(fields["scores"], mask)
+    prefix = "cost_" if out_fields[0] == K.COST_ADVANTAGES else ""
+    metrics: dict[str, float] = {}
+    if opts.kl_coef > 0:
+        controller = state[f"kl_ctrl/{node}"]
+        kl = kl_penalty(fields.pop("old_log_probs"), fields.pop("ref_log_probs"), opts.kl_estimator)
+        kl = kl * mask
+        token_rewards = token_rewards - controller.value * kl
+        mean_kl = float(masked_mean(kl, mask))
+        metrics[f"{prefix}reward_kl/mean"] = mean_kl
+        metrics[f"{prefix}reward_kl/coef"] = controller.value
+        controller.update(mean_kl, num_steps=int(mask.shape[0]))
+    estimator_options = opts.model_dump(exclude={"estimator", "kl_coef", "kl_estimator", "kl_target", "kl_horizon"})
+    advantages, returns = ADV_ESTIMATORS.get(opts.estimator)(
+        **fields, token_rewards=token_rewards, **estimator_options
+    )
+    metrics[f"{prefix}advantage/abs_mean"] = float(masked_mean(advantages.abs(), mask))
+    metrics[f"{prefix}returns/mean"] = float(masked_mean(returns, mask))
+    result = TensorDict(
+        {out_fields[0]: advantages[own].float(), out_fields[1]: returns[own].float()},
+        batch_size=batch.batch_size,
+    )
+    return result, metrics
+
+
+def apply_safety(
+    batch: TensorDict, opts: UpdateOptions, node_state: LagrangeMultiplier
+) -> dict[str, float]:
+    """Safe-RLHF: step lambda on the batch's mean episode cost, then combine the advantages.
+
+    Overwrites ``batch[advantages]`` with ``(A - lambda * A_cost) / (1 + lambda)``, lambda taken
+    after this batch's ascent step. Returns ``safety/*`` metrics.
+    """
+    for field in (K.COSTS, K.COST_ADVANTAGES):
+        if field not in batch.keys():
+            raise ValueError(f"a safety update needs '{field}' among its inputs")
+    gathered, _ = all_gather_rows({"costs": batch[K.COSTS].float()})
+    mean_cost = float(gathered["costs"].mean())
+    lagrange_lambda = node_state.update(mean_cost)
+    batch[K.ADVANTAGES] = safe_rlhf_advantage(
+        batch[K.ADVANTAGES], batch[K.COST_ADVANTAGES], lagrange_lambda
+    )
+    return {
+        "safety/lambda": lagrange_lambda,
+        "safety/mean_cost": mean_cost,
+        "safety/cost_margin": mean_cost - opts.safety.cost_threshold,
+    }
+
+
+def critic_fields(inputs: list[str], where: str) -> tuple[str, str]:
+    """(old values field, returns field) of a critic update from its input keys."""
+    values_field = _pick(inputs, VALUE_KEYS, "values key", where)
+    returns_field = _pick(inputs, ADVANTAGE_KEYS, "advantage key", where)[1]
+    return values_field, returns_field
+
+
+def critic_loss(opts: UpdateOptions, values_field: str, returns_field: str):
+    """``loss_fn(micro_batch, forward_out)`` of a critic update (clipped value loss)."""
+
+    def loss_fn(mb: TensorDict, out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        response_mask = mb[K.RESPONSE_MASK]
+        loss_mat, metrics = clipped_value_loss(
+            out[K.VALUES], mb[values_field], mb[returns_field], response_mask, opts.value_clip
+        )
+        metrics["vf_loss"] = float(agg_loss(loss_mat.detach(), response_mask))
+        loss = agg_loss(
+            loss_mat,
+            response_mask,
+            opts.loss_agg,
+            normalizer=out["num_global_tokens"],
+            num_seqs=out["num_global_seqs"],
+        )
+        return loss, metrics
+
+    return loss_fn
+
+
+def critic_explained_variance(batch: TensorDict, values_field: str, returns_field: str) -> float:
+    """Explained variance of the values the advantages were computed with, whole batch."""
+    gathered, _ = all_gather_rows(
+        {"v": batch[values_field], "r": batch[returns_field], "m": batch[K.RESPONSE_MASK]}
+    )
+    return explained_variance(gathered["v"], gathered["r"], gathered["m"])
