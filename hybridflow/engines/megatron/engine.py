@@ -1,0 +1,398 @@
+"""Megatron-core train engine: ``GPTModel`` (local spec) under TP x PP x DP, megatron DDP + optimizer.
+
+Semantics match :class:`hybridflow.engines.torch_engine.TorchTrainEngine` (same ``LossFn``
+contract, same metrics, same LR schedule); the tests check a step against an HF model + torch
+AdamW.
+
+Gradient arithmetic: the model config sets ``calculate_per_token_loss``, so megatron's schedules
+neither divide a micro-batch loss by the number of micro-batches nor does its DDP average over
+data-parallel ranks: the gradient is the plain sum of the ``loss_fn`` results over micro-batches
+and DP ranks. ``loss_fn`` divides by ``num_global_tokens`` (all-reduced over the DP group before
+the step), so the sum is the full-batch token mean. ``finalize_model_grads`` is called without a
+token count for the same reason.
+
+Padding: megatron's RoPE ignores ``position_ids`` (positions are 0..S-1), so each row is rolled
+left by its number of left-pad tokens before the forward: valid tokens then sit at 0..L-1 with
+exactly HF's positions, and a plain causal mask keeps them from seeing the trailing padding. The
+response logits are read back at the rolled positions.
+
+Batches: like the torch engine, each rank is given *its own* samples (``Dispatch.DP_SPLIT`` over
+all ranks). The ranks of one model-parallel group (TP x PP, one data-parallel replica) first
+all-gather their pieces, run the union through the model together, and each returns the outputs
+of its own piece. ``same_batch_on_model_parallel_ranks=True`` skips the gather for callers that
+already give every rank of a model-parallel group the same batch (``Dispatch.DP_3D``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from functools import partial
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch import Tensor
+
+from hybridflow.algos import entropy_from_logits, log_probs_from_logits
+from hybridflow.data import keys as K
+from hybridflow.engines.base import LossFn, TrainEngine
+from hybridflow.engines.megatron import cpu_compat
+from hybridflow.engines.megatron.convert import Dims, HFShard, Rank, hf_shards, hf_to_megatron, merge_shards
+from hybridflow.engines.megatron.model import build_gpt_model, load_megatron_state
+from hybridflow.engines.torch_engine import lr_factor
+from hybridflow.spec.graph import TrainEngineSpec
+
+
+def init_parallel_state(tp: int, pp: int, seed: int) -> None:
+    """``parallel_state`` for ``tp`` x ``pp`` (dp = world / (tp*pp)) over the default group.
+
+    Idempotent for the same sizes; ``torch.distributed`` must be initialised (gloo or nccl).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    cpu_compat.enable()
+    if ps.model_parallel_is_initialized():
+        if (
+            ps.get_tensor_model_parallel_world_size() != tp
+            or ps.get_pipeline_model_parallel_world_size() != pp
+        ):
+            raise ValueError(
+                "megatron parallel_state is already initialised with another layout (one megatron "
+                "layout per process)"
+            )
+        return
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"tp*pp = {tp * pp} does not divide the {world} ranks")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    # The inference tracker forks the CPU RNG instead of a CUDA generator; dropout is 0 anyway.
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=cpu_compat.needed())
+
+
+def _roll_left(x: Tensor, shifts: Tensor) -> Tensor:
+    """Row b of (B, T) ``x`` rolled left by ``shifts[b]``."""
+    seq_len = x.shape[1]
+    index = (torch.arange(seq_len, device=x.device)[None] + shifts[:, None]) % seq_len
+    return x.gather(1, index)
+
+
+class MegatronTrainEngine(TrainEngine):
+    """An HF causal LM trained as a megatron-core ``GPTModel`` shard.
+
+    Args:
+        hf_model: the HF model (every rank passes the same weights); converted, then kept only
+            as the container ``save_hf`` and ``load_full_into`` write into.
+        spec: layout (tp, pp; dp is the rest of the world), micro-batch size, optimizer.
+        total_steps: optimizer steps of the run (cosine schedule).
+        seed: seeds megatron's model-parallel RNG tracker.
+    """
+
+    def __init__(
+        self,
+        hf_model,
+        spec: TrainEngineSpec,
+        *,
+        total_steps: int | None = None,
+        kind: Literal["policy", "value"] = "policy",
+        seed: int = 0,
+        same_batch_on_model_parallel_ranks: bool = False,
+    ) -> None:
+        if kind != "policy":
+            raise NotImplementedError("train.engine 'megatron' holds policy models (LM head) only")
+        if spec.optim.schedule == "cosine" and (total_steps is None or total_steps < 1):
+            raise ValueError("train.optim.schedule 'cosine' needs the run's total optimizer steps")
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.spec = spec
+        self.total_steps = total_steps or 0
+        tp, pp = spec.layout.tp, spec.layout.pp
+        init_parallel_state(tp, pp, seed)
+        self.ps = ps
+        self.rank = Rank(
+            ps.get_tensor_model_parallel_rank(), tp, ps.get_pipeline_model_parallel_rank(), pp
+        )
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_group = ps.get_data_parallel_group()
+        # Group over which callers reduce per-token statistics of loss_fn calls: every rank (the
+        # TP ranks of a replica see the same tokens, which ratio-type statistics tolerate).
+        self.process_group = None
+        self.hf_model = hf_model
+        self.hf_config = hf_model.config
+        self.dims = Dims.from_hf(self.hf_config)
+        self.dtype = next(hf_model.parameters()).dtype
+        self._hf_shapes = {n: tuple(p.shape) for n, p in hf_model.state_dict().items()}
+        self.device = torch.device("cpu") if cpu_compat.needed() else torch.device("cuda")
+
+        module = build_gpt_model(self.hf_config, self.rank, self.dtype).to(self.device)
+        state = {n: t.to(self.device) for n, t in hf_model.state_dict().items()}
+        load_megatron_state(module, hf_to_megatron(state, self.dims, self.rank))
+        # Named ``gpt_model``, not ``module``: the engine manages its own memory. Worker-level
+        # offload (``workers/colocation.py``) moves engines that expose a plain ``module``, and a
+        # ``.to()`` of this one would detach its parameters from megatron DDP's grad buffers.
+        self.gpt_model = module
+        self.config = module.config
+        self.model = DistributedDataParallel(
+            self.config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            ),
+            module,
+        )
+        self.config.no_sync_func = self.model.no_sync
+        # Token normalisation is the loss_fn's (num_global_tokens): no count-based rescaling.
+        self.config.finalize_model_grads_func = (
+            lambda model, num_tokens=None, **kw: finalize_model_grads(model, None, **kw)
+        )
+        self.config.variable_seq_lengths = pp > 1  # micro-batches of unequal size
+        optim = spec.optim
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=optim.lr,
+                weight_decay=optim.weight_decay,
+                adam_beta1=optim.betas[0],
+                adam_beta2=optim.betas[1],
+                adam_eps=1e-8,
+                clip_grad=0.0,  # clipped below, so that a non-finite norm can skip the step
+                params_dtype=self.dtype,
+                bf16=self.dtype == torch.bfloat16,
+                use_distributed_optimizer=False,
+            ),
+            [self.model],
+        )
+        self.step_count = 0
+        self.same_batch = same_batch_on_model_parallel_ranks
+
+    def _model_parallel_union(self, batch: TensorDict) -> tuple[TensorDict, slice]:
+        """The samples of every rank of this model-parallel group, and where ours sit in it."""
+        num = batch.batch_size[0]
+        if self.same_batch or self.rank.tp * self.rank.pp == 1:
+            return batch, slice(0, num)
+        tensors = batch.select(*[k for k, v in batch.items() if isinstance(v, Tensor)])
+        pieces: list = [None] * (self.rank.tp * self.rank.pp)
+        group = self.ps.get_model_parallel_group()
+        dist.all_gather_object(pieces, tensors, group=group)
+        start = sum(p.batch_size[0] for p in pieces[: dist.get_rank(group)])
+        return torch.cat(pieces), slice(start, start + num)
+
+    # -- the pipeline schedule ----------------------------------------------------------------
+
+    def _forward_step(self, temperature: float, loss_fn: LossFn | None, extra: dict, data_iterator, model):
+        mb: TensorDict = next(data_iterator)
+        input_ids = mb[K.INPUT_IDS].to(self.device)
+        attention_mask = mb[K.ATTENTION_MASK]
+        seq_len = input_ids.shape[1]
+        shifts = (attention_mask.cumsum(1) == 0).sum(1).to(self.device)  # left-pad tokens
+        rolled = _roll_left(input_ids, shifts)
+        positions = torch.arange(seq_len, device=self.device)[None].expand_as(rolled)
+        mask = cpu_compat.causal_mask(seq_len, self.device)
+        output = model(rolled, positions, mask)
+        return output, partial(self._loss, mb, shifts, temperature, loss_fn, extra)
+
+    def _policy_outputs(self, logits: Tensor, mb: TensorDict, shifts: Tensor, temperature: float):
+        """log-probs and entropy (B, R) from this TP rank's vocabulary shard of the logits."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        responses = mb[K.RESPONSES].to(self.device)
+        num_response = responses.shape[1]
+        seq_len = logits.shape[1]
+        # Original positions T-R-1 .. T-2 predict the response tokens; find them after the roll.
+        wanted = torch.arange(seq_len - num_response - 1, seq_len - 1, device=self.device)
+        index = (wanted[None] - shifts[:, None]) % seq_len
+        picked = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+        if self.rank.tp > 1:
+            picked = gather_from_tensor_model_parallel_region(picked)
+        picked = picked[..., : self.dims.vocab_size].float() / temperature
+        mask = mb[K.RESPONSE_MASK].to(self.device, torch.float32)
+        return {
+            "log_probs": log_probs_from_logits(picked, responses) * mask,
+            "entropy": entropy_from_logits(picked) * mask,
+        }
+
+    def _loss(self, mb, shifts, temperature, loss_fn, extra, logits):
+        out = self._policy_outputs(logits, mb, shifts, temperature)
+        one = torch.tensor(1, dtype=torch.int)
+        if loss_fn is None:  # forward only: hand the outputs back through megatron's data store
+            return logits.sum() * 0.0, one, {k: v.detach().cpu() for k, v in out.items()}
+        out.update(extra)
+        loss, metrics = loss_fn(mb, out)
+        num_tokens = float(mb[K.RESPONSE_MASK].sum())
+        record = {"loss": float(loss.detach()), "metrics": {k: float(v) * num_tokens for k, v in metrics.items()}}
+        return loss, one, record
+
+    def _run_schedule(self, batch: TensorDict, temperature: float, loss_fn: LossFn | None, extra: dict) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        micro_batches = list(batch.split(self.spec.micro_batch_size))
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, temperature, loss_fn, extra),
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=batch[K.INPUT_IDS].shape[1],
+            micro_batch_size=self.spec.micro_batch_size,
+            forward_only=loss_fn is None,
+        )
+
+    def _from_last_stage(self, obj):
+        """``obj`` of the last pipeline stage, on every rank of this rank's pipeline group."""
+        if self.rank.pp == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(
+            box,
+            src=self.ps.get_pipeline_model_parallel_last_rank(),
+            group=self.ps.get_pipeline_model_parallel_group(),
+        )
+        return box[0]
+
+    # -- TrainEngine --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, batch: TensorDict, temperature: float = 1.0) -> dict[str, Tensor]:
+        """``{"log_probs", "entropy"}`` (B, R) float32 of ``responses`` under logits / temperature."""
+        batch, own = self._model_parallel_union(batch)
+        self.model.eval()
+        try:
+            store = self._run_schedule(batch, temperature, None, {})
+        finally:
+            self.model.train()
+        parts = self._from_last_stage(store if self.rank.is_last_stage else None)
+        return {key: torch.cat([p[key] for p in parts])[own].cpu() for key in parts[0]}
+
+    def _all_reduce_dp(self, values: Tensor) -> Tensor:
+        """Sum over the data-parallel group (on the engine's device: nccl takes CUDA tensors)."""
+        if self.dp_size > 1:
+            on_device = values.to(self.device)
+            dist.all_reduce(on_device, group=self.dp_group)
+            values = on_device.to(values.device)
+        return values
+
+    def train_step(self, batch: TensorDict, loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step; metrics as :meth:`TorchTrainEngine.train_step`."""
+        batch, _ = self._model_parallel_union(batch)
+        assert batch.batch_size[0] > 0, "every data-parallel replica needs at least one sample"
+        counts = self._all_reduce_dp(
+            torch.stack([batch[K.RESPONSE_MASK].sum(), torch.tensor(batch.batch_size[0])]).to(torch.float64)
+        )
+        num_global_tokens = counts[0].to(torch.float32)
+        extra = {"num_global_tokens": num_global_tokens.to(self.device), "num_global_seqs": counts[1].to(torch.float32).to(self.device)}
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self.spec.optim.lr * lr_factor(self.step_count, self.spec.optim, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        store = self._run_schedule(batch, temperature, loss_fn, extra)
+
+        self.optimizer.prepare_grads()  # param.grad = param.main_grad
+        # megatron's norm (TP/PP-reduced, replicated params counted once); the clip is applied
+        # here with megatron's formula, since its own asserts a CUDA tensor type.
+        grad_norm = float(self.optimizer.get_grad_norm())
+        finite = math.isfinite(grad_norm)
+        clip = self.spec.optim.grad_clip
+        if finite and clip is not None and clip / (grad_norm + 1e-6) < 1.0:
+            for param in self.optimizer.get_parameters():
+                if param.grad is not None:
+                    param.grad.mul_(clip / (grad_norm + 1e-6))
+        if finite:
+            self.optimizer.step_with_ready_grads()
+        self.step_count += 1
+
+        records = self._from_last_stage(store if self.rank.is_last_stage else None)
+        names = sorted(records[0]["metrics"])
+        sums = [sum(r["loss"] for r in records)] + [sum(r["metrics"][k] for r in records) for k in names]
+        reduced = self._all_reduce_dp(torch.tensor(sums, dtype=torch.float64))
+        out = {"loss": float(reduced[0])}
+        total_tokens = max(float(num_global_tokens), 1.0)
+        out.update({k: float(v) / total_tokens for k, v in zip(names, reduced[1:])})
+        out.update(grad_norm=float(grad_norm), lr=lr, skipped_step=float(not finite))
+        return out
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def hf_shards(self) -> list[HFShard]:
+        """This rank's training shard under HF names with its layout (the resharder's input)."""
+        state = {n: p.detach() for n, p in self.gpt_model.named_parameters()}
+        return hf_shards(state, self.dims, self.rank)
+
+    def shard_specs(self) -> list:
+        """``ShardSpec`` of every parameter of the whole model (all stages), in stage order."""
+        from hybridflow.hybrid_engine.layout_meta import ShardSpec
+
+        specs = []
+        for stage in range(self.rank.pp):
+            for shard in self._stage_layout(stage):
+                specs.append(ShardSpec(shard[0], shard[2], shard[1], stage))
+        return specs
+
+    def _stage_layout(self, stage: int) -> list[tuple[str, int | None, tuple[int, ...]]]:
+        """(name, tp_dim, full_shape) of a stage's HF shards, computed without its weights."""
+        rank = Rank(0, self.rank.tp, stage, self.rank.pp)
+        meta = {
+            n: torch.empty(p.shape, device="meta")
+            for n, p in hf_to_megatron(
+                {n: torch.empty(s, device="meta") for n, s in self._hf_shapes.items()}, self.dims, rank
+            ).items()
+        }
+        return [(s.name, s.tp_dim, s.full_shape) for s in hf_shards(meta, self.dims, rank)]
+
+    def full_hf_state(self) -> dict[str, Tensor]:
+        """The whole model with HF names on every rank: TP all-gather within each stage, then a
+        broadcast of each stage's tensors over the pipeline group (the naive path)."""
+        tp_group = self.ps.get_tensor_model_parallel_group()
+        full: dict[str, Tensor] = {}
+        for shard in self.hf_shards():
+            if shard.tp_dim is None or self.rank.tp == 1:
+                pieces = [shard.tensor]
+            else:
+                pieces = [torch.empty_like(shard.tensor) for _ in range(self.rank.tp)]
+                dist.all_gather(pieces, shard.tensor.contiguous(), group=tp_group)
+            full[shard.name] = merge_shards(pieces, shard.tp_dim, shard.name, self.dims)
+        if self.rank.pp > 1:
+            pp_group = self.ps.get_pipeline_model_parallel_group()
+            pp_ranks = dist.get_process_group_ranks(pp_group)
+            for stage in range(self.rank.pp):
+                for name, _, _ in self._stage_layout(stage):
+                    if stage != self.rank.pp_rank:
+                        full[name] = torch.empty(self._hf_shapes[name], dtype=self.dtype, device=self.device)
+                    dist.broadcast(full[name], src=pp_ranks[stage], group=pp_group)
+        if self.dims.tied:
+            full["lm_head.weight"] = full["model.embed_tokens.weight"]
+        return full
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Full HF weights (gathered; a collective every rank must call)."""
+        state = self.full_hf_state()
+        params = dict(self.hf_model.named_parameters())
+        for name in params:
+            yield name, state[name]
+
+    @torch.no_grad()
+    def load_full_into(self, hf_model) -> None:
+        """Copy the gathered full weights into ``hf_model`` (e.g. the tg=1 rollout model)."""
+        state = self.full_hf_state()
+        for name, param in hf_model.named_parameters():
+            param.copy_(state[name])
+
+    def save_hf(self, path: str) -> None:
+        """Global rank 0 writes ``save_pretrained(path)`` of the gathered model; all wait."""
+        self.load_full_into(self.hf_model)
+        if dist.get_rank() == 0:
+            self.hf_model.save_pretrained(path)
+        dist.barrier()
+
+    def state_dict(self) -> dict:
+        return {"model": self.gpt_model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.gpt_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = state["step"]

@@ -1,0 +1,124 @@
+"""The resharder on the megatron engine's real shards (4 gloo CPU ranks, training TP=4):
+
+- generation at tg = 1: the generation shards, vocabulary trimmed, loaded into an HF model give
+  the original HF model's logits (both paths);
+- generation at tg = 2: every rank's shards are bitwise the tg-way slices of the (vocab-padded) HF
+  weights, and a 2-way megatron TP model built from them gives the HF model's logits.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_harness import init_dist, spawn, tiny_hf  # noqa: E402
+
+from hybridflow.spec.graph import TrainEngineSpec  # noqa: E402
+from hybridflow.spec.layout import GenerationLayout, ParallelLayout  # noqa: E402
+
+HEADS = {"num_attention_heads": 4, "num_key_value_heads": 4}  # TP=4 needs 4 query groups
+
+
+def _padded_full(hf_state, specs):
+    """The full HF tensors as the engine holds them: vocabulary padded to the specs' shape."""
+    full = {}
+    for spec in specs:
+        t = hf_state[spec.name]
+        if t.shape[0] != spec.full_shape[0]:
+            t = torch.cat([t, t.new_zeros(spec.full_shape[0] - t.shape[0], *t.shape[1:])])
+        full[spec.name] = t
+    return full
+
+
+def _check(rank, world, port):
+    init_dist(rank, world, port)
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, model_parallel_cuda_manual_seed
+
+    from hybridflow.engines.megatron import Dims, MegatronTrainEngine, Rank, hf_to_megatron
+    from hybridflow.engines.megatron import cpu_compat
+    from hybridflow.engines.megatron.model import build_gpt_model, load_megatron_state
+    from hybridflow.hybrid_engine.groups import gen_coords, train_coords
+    from hybridflow.hybrid_engine.reshard import build_groups, reference_generation_shard, reshard_to_generation
+
+    hf = tiny_hf(tied=False, **HEADS)
+    vocab = hf.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+
+    train = ParallelLayout(tp=4, pp=1).resolve(world)
+    engine = MegatronTrainEngine(
+        copy.deepcopy(hf), TrainEngineSpec(engine="megatron", layout=train, micro_batch_size=2)
+    )
+    c = train_coords(train, rank)  # the resharder's rank numbering is megatron's
+    assert (c.tp, c.pp, c.dp) == (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_data_parallel_rank(),
+    )
+    specs = engine.shard_specs()
+    named = {s.name: s.tensor for s in engine.hf_shards()}
+    full = _padded_full(hf.state_dict(), specs)
+
+    # tg = 1: an HF model from the generation shards
+    gen1 = GenerationLayout(train=train, tp=1, pp=1)
+    for mode in ("zero_redundancy", "naive"):
+        shards, stats = reshard_to_generation(named, specs, gen1, build_groups(gen1), mode)
+        state = {n: t[:vocab] if n in ("model.embed_tokens.weight", "lm_head.weight") else t
+                 for n, t in shards.materialize().items()}
+        model = copy.deepcopy(hf)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        model.load_state_dict(state, strict=True)
+        with torch.no_grad():
+            got = model(input_ids=ids).logits
+        assert torch.equal(got, want), (mode, float((got - want).abs().max()))
+        shards.release()
+
+    # tg = 2: bitwise shards, then a 2-way megatron TP model built from them
+    gen2 = GenerationLayout(train=train, tp=2, pp=1)
+    shards, stats = reshard_to_generation(named, specs, gen2, build_groups(gen2))
+    expected = reference_generation_shard(full, specs, gen2, rank)
+    for name, tensor in expected.items():
+        assert torch.equal(shards.tensor(name), tensor), name
+    hf_state = shards.materialize()
+    shards.release()
+    del engine
+    ps.destroy_model_parallel()
+    # Generation TP groups take training TP ranks at stride t/tg = 2: {0, 2} and {1, 3}, i.e.
+    # megatron's groups with DP fastest (micro-DP groups {0, 1}, {2, 3} are consecutive).
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, order="dp-tp-pp")
+    model_parallel_cuda_manual_seed(0, inference_rng_tracker=cpu_compat.needed())
+    tg_rank = ps.get_tensor_model_parallel_rank()
+    assert tg_rank == gen_coords(gen2, rank).tp
+    assert ps.get_data_parallel_rank() == gen_coords(gen2, rank).micro_dp_rank
+    config = copy.deepcopy(hf.config)
+    config.vocab_size = specs[0].full_shape[0]  # keep the training padding (a multiple of t)
+    dims = Dims.from_hf(config)
+    # one tg-rank's HF shards are the full tensors of a model with 1/tg of the heads and ffn
+    local = dataclasses.replace(
+        dims,
+        num_heads=dims.num_heads // 2,
+        num_kv_heads=dims.num_kv_heads // 2,
+        ffn_hidden_size=dims.ffn_hidden_size // 2,
+        vocab_size=dims.vocab_size // 2,
+    )
+    module = build_gpt_model(config, Rank(tg_rank, 2, 0, 1))
+    load_megatron_state(module, hf_to_megatron(hf_state, local, Rank()))
+    with torch.no_grad():
+        out = module(ids, torch.arange(9)[None].expand(2, -1), cpu_compat.causal_mask(9))
+        got = gather_from_tensor_model_parallel_region(out)[..., :vocab]
+    err = float((got - want).abs().max())
+    assert err < 1e-5, err
+
+
+@pytest.mark.slow
+def test_megatron_shards_reshard_to_hf_and_tg2_models():
+    spawn(_check, 4)
