@@ -1,8 +1,14 @@
 """``hybridflow``: run, validate and draw graph files.
 
     hybridflow run graphs/grpo.yaml [key.path=value ...] [--pools FILE] [--address ADDR]
+                                    [--run-dir DIR] [--resume]
+    hybridflow serve-reward MODULE:FUNCTION [--host H] [--port P] [--max-request-bytes N]
     hybridflow validate graphs/*.yaml
     hybridflow graph graphs/grpo.yaml
+    hybridflow plan graphs/grpo.yaml [--pool FILE] [--model-size 7b]
+    hybridflow schema [graph|pool] [--out-dir DIR]
+    hybridflow docs [--check]
+    hybridflow plot RUN_DIR [RUN_DIR ...] [--out FILE.png]
 
 A user mistake (bad file, field, override or data row) prints one line naming the file and the
 field and exits with code 2. Heavy packages (Ray, engines) load only for ``run``.
@@ -28,6 +34,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--pools", help="resource-pool file (default: the graph's `resources`)")
     run.add_argument("--address", help="join this Ray cluster instead of starting a local one")
     run.add_argument("--run-dir", help="write the run here (default: trainer.save_dir)")
+    run.add_argument(
+        "--resume", action="store_true",
+        help="continue the run in --run-dir (default: the newest under trainer.save_dir) from its "
+        "newest complete checkpoint",
+    )
+    run.add_argument("--trace-interval", type=int, default=0, metavar="N",
+                     help="write every N-th iteration's timeline as Chrome-trace JSON to RUN_DIR/trace/")
+    run.add_argument("--serial", action="store_true",
+                     help="run one node at a time (no overlap across pools; for comparison)")
 
     validate = sub.add_parser("validate", help="check graph files without starting anything")
     validate.add_argument("graphs", nargs="+")
@@ -36,6 +51,34 @@ def _parser() -> argparse.ArgumentParser:
     graph = sub.add_parser("graph", help="print a graph's nodes, keys and placement")
     graph.add_argument("graph")
     graph.add_argument("overrides", nargs="*")
+    graph.add_argument("--out", help="also draw the DAG into this image (png, svg, pdf); needs the `plot` extra")
+    graph.add_argument("--pools", help="resource-pool file (default: the graph's `resources`)")
+
+    plan = sub.add_parser("plan", help="auto-map a graph onto a pool: placement, layouts, times")
+    plan.add_argument("graph")
+    plan.add_argument("overrides", nargs="*")
+    plan.add_argument("--pool", help="pool file (default: the graph's `resources`); plans on its first pool")
+    plan.add_argument("--model-size", choices=["7b", "13b", "34b", "70b"],
+                      help="plan every weighted model as this Llama size, with tp/pp layouts")
+    plan.add_argument("--top", type=int, default=5, help="also list this many runner-up plans")
+
+    schema = sub.add_parser("schema", help="write the JSON schemas of graph and pool files")
+    schema.add_argument("kind", nargs="?", choices=["graph", "pool"], help="print one schema to stdout")
+    schema.add_argument("--out-dir", help="write graph.schema.json and pool.schema.json here")
+
+    docs = sub.add_parser("docs", help="regenerate the reference docs and schemas under docs/")
+    docs.add_argument("--out-dir", default="docs")
+    docs.add_argument("--check", action="store_true", help="exit 1 if the docs are stale")
+
+    plot = sub.add_parser("plot", help="plot metrics of one run, or overlay several, into a PNG")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    plot.add_argument("--out", help="PNG path (default RUN_DIR/plot.png, or compare.png for several)")
+
+    serve = sub.add_parser("serve-reward", help="serve a rule reward over HTTP (JSON) for remote scoring")
+    serve.add_argument("rule", help="'module:function' scoring (prompt, response, ground_truth)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0 = any free port (printed)")
+    serve.add_argument("--max-request-bytes", type=int, default=1 << 20)
     return parser
 
 
@@ -52,30 +95,138 @@ def _cmd_graph(args: argparse.Namespace) -> int:
     from hybridflow.graph.dag import load_graph
     from hybridflow.graph.render import describe
 
-    print(describe(load_graph(args.graph, args.overrides)))
+    from hybridflow.graph.batching import batch_plan
+
+    graph = load_graph(args.graph, args.overrides, pools_file=args.pools)
+    print(describe(graph))
+    print(batch_plan(graph.spec, graph.layouts, graph.file).describe())
+    if args.out:
+        from hybridflow.graph.render import draw
+
+        print(f"wrote {draw(graph, args.out)}")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import time
+
+    from hybridflow.graph.dag import load_graph
+    from hybridflow.placement.automapper import mapper_for_pool
+
+    graph = load_graph(args.graph, args.overrides, pools_file=args.pool)
+    pool_name = next(iter(graph.pools))
+    pool = graph.pools[pool_name]
+    try:
+        mapper = mapper_for_pool(graph, pool, args.model_size)
+    except ValueError as exc:
+        raise SpecError(args.pool or graph.spec.resources, f"pools.{pool_name}.profile", str(exc)) from None
+    started = time.perf_counter()
+    plans = mapper.search(keep=1 + args.top)
+    seconds = time.perf_counter() - started
+    print(
+        f"pool {pool_name!r}: {pool.num_devices} x {pool.device} ({mapper.sim.profile.name}), "
+        f"{pool.devices_per_node} per node; {mapper.num_evaluated} plans scored in {seconds:.2f} s"
+    )
+    if not plans:
+        raise SpecError(graph.file, "models", f"the models do not fit on pool {pool_name!r} in any placement")
+    print(plans[0].describe())
+    if len(plans) > 1:
+        print("runners-up:")
+        for plan in plans[1 : 1 + args.top]:
+            print(f"  {plan.total:10.4g} s  {plan.key()}")
     return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from hybridflow.graph.dag import load_graph
+    from hybridflow.placement.automapper import auto_placement
 
-    graph = load_graph(args.graph, args.overrides, pools_file=args.pools)  # fail before Ray starts
+    # fail before Ray starts; `placement: auto` is planned here
+    graph = load_graph(args.graph, args.overrides, pools_file=args.pools, planner=auto_placement)
     from hybridflow.controller.trainer import Trainer
 
-    trainer = Trainer(graph, address=args.address, run_dir=args.run_dir)
+    trainer = Trainer(graph, address=args.address, run_dir=args.run_dir, resume=args.resume)
+    trainer.trace_interval, trainer.serial = args.trace_interval, args.serial
     summary = trainer.fit()
     print(summary)
     return 0
 
 
+def _cmd_schema(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from hybridflow.spec.docgen import json_schemas
+
+    schemas = json_schemas()
+    if args.kind and not args.out_dir:
+        print(json.dumps(schemas[args.kind], indent=2, sort_keys=True))
+        return 0
+    out_dir = Path(args.out_dir or ".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for kind in [args.kind] if args.kind else list(schemas):
+        path = out_dir / f"{kind}.schema.json"
+        path.write_text(json.dumps(schemas[kind], indent=2, sort_keys=True) + "\n")
+        print(path)
+    return 0
+
+
+def _cmd_docs(args: argparse.Namespace) -> int:
+    from hybridflow.spec.docgen import stale_files, write_all
+
+    if args.check:
+        stale = stale_files(args.out_dir)
+        for rel in stale:
+            print(f"stale: {args.out_dir}/{rel} (run `hybridflow docs`)", file=sys.stderr)
+        return 1 if stale else 0
+    for path in write_all(args.out_dir):
+        print(path)
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from hybridflow.cli.plot import default_out, plot_runs
+
+    print(plot_runs(args.run_dirs, args.out or default_out(args.run_dirs)))
+    return 0
+
+
+def _cmd_serve_reward(args: argparse.Namespace) -> int:
+    from hybridflow.rewards.remote import serve
+    from hybridflow.rewards.rule import load_rule
+
+    try:
+        load_rule(args.rule)
+    except ValueError as exc:
+        raise SpecError("serve-reward", "rule", str(exc)) from None
+    serve(args.rule, args.host, args.port, args.max_request_bytes)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    command = {"run": _cmd_run, "validate": _cmd_validate, "graph": _cmd_graph}[args.command]
+    command = {
+        "run": _cmd_run,
+        "validate": _cmd_validate,
+        "graph": _cmd_graph,
+        "plan": _cmd_plan,
+        "schema": _cmd_schema,
+        "docs": _cmd_docs,
+        "plot": _cmd_plot,
+        "serve-reward": _cmd_serve_reward,
+    }[args.command]
     try:
         return command(args)
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except RuntimeError as exc:
+        from hybridflow.controller.checkpoint import RunStopped
+
+        if not isinstance(exc, RunStopped):
+            raise
+        print(f"stopped: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

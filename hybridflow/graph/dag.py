@@ -6,12 +6,14 @@ a one-line ``SpecError`` naming the file and the field. It imports no Ray, vLLM 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import networkx as nx
 
 from hybridflow.data.keys import SOURCE_KEYS
+from hybridflow.graph.batching import batch_plan
 from hybridflow.graph.ops import OPS
 from hybridflow.spec.graph import GraphSpec, ModelSpec, NodeSpec
 from hybridflow.spec.layout import ParallelLayout
@@ -136,7 +138,7 @@ def _resolve_placement(
     if not pools:
         raise SpecError(pool_file, "pools", "no pool defined")
     if spec.placement == "auto":
-        # Until the auto-mapper chooses, everything is colocated on the first pool.
+        # Colocated on the first pool; build_graph's planner (the auto-mapper) may re-place it.
         first = next(iter(pools))
         placement = {name: first for name in spec.models}
     else:
@@ -170,8 +172,23 @@ def _resolve_placement(
     return placement, layouts
 
 
-def build_graph(spec: GraphSpec, file: str | Path = "<python graph>", pools_file: str | Path | None = None) -> Graph:
-    """Validate ``spec`` and derive its DAG. Raises ``SpecError`` (one line) on any mistake."""
+# Resolves ``placement: auto`` for a graph validated with everything on the first pool: returns
+# (model -> pool name, pool name -> PoolSpec). The auto-mapper (placement layer) is passed in by
+# the layers above, so this module never imports it.
+Planner = Callable[["Graph"], tuple[dict[str, str], dict[str, PoolSpec]]]
+
+
+def build_graph(
+    spec: GraphSpec,
+    file: str | Path = "<python graph>",
+    pools_file: str | Path | None = None,
+    planner: Planner | None = None,
+) -> Graph:
+    """Validate ``spec`` and derive its DAG. Raises ``SpecError`` (one line) on any mistake.
+
+    ``placement: auto`` is resolved by ``planner`` when given, else colocates every model on the
+    first pool.
+    """
     file = str(file)
     if not any(m.role == "actor" for m in spec.models.values()):
         raise SpecError(file, "models", "a graph needs one model with role actor")
@@ -185,7 +202,8 @@ def build_graph(spec: GraphSpec, file: str | Path = "<python graph>", pools_file
     pool_path = resolve_relative(str(pools_file or spec.resources), file if Path(file).is_file() else None)
     pools = dict(load_pools(pool_path).pools)
     placement, layouts = _resolve_placement(spec, pools, file, str(pool_path))
-    return Graph(
+    batch_plan(spec, layouts, file)  # batch sizes must divide over the layouts
+    graph = Graph(
         spec=spec,
         file=file,
         nodes=tuple(by_name[n] for n in order),
@@ -194,8 +212,20 @@ def build_graph(spec: GraphSpec, file: str | Path = "<python graph>", pools_file
         placement=placement,
         layouts=layouts,
     )
+    if spec.placement == "auto" and planner is not None:
+        placement, pools = planner(graph)
+        explicit = spec.model_copy(update={"placement": placement})
+        placement, layouts = _resolve_placement(explicit, pools, file, str(pool_path))
+        batch_plan(spec, layouts, file)
+        graph = replace(graph, pools=pools, placement=placement, layouts=layouts)
+    return graph
 
 
-def load_graph(path: str | Path, overrides: list[str] = (), pools_file: str | Path | None = None) -> Graph:
+def load_graph(
+    path: str | Path,
+    overrides: list[str] = (),
+    pools_file: str | Path | None = None,
+    planner: Planner | None = None,
+) -> Graph:
     """Read, override and validate a graph file."""
-    return build_graph(load_graph_spec(path, overrides), path, pools_file)
+    return build_graph(load_graph_spec(path, overrides), path, pools_file, planner)

@@ -1,0 +1,446 @@
+"""Auto-mapper: which models share which devices, and under which layouts (HybridFlow's search).
+
+    for each partition of the models into colocated sets          (Bell(#models) of them)
+        for each allocation of the devices to the sets            (each set >= its memory minimum)
+            each set: per-model layouts chosen by the simulator   (cached per set and size)
+            cost = sum over stages of max over concurrent sets of the sum of the set's op times
+    return the cheapest plan, with its predicted per-stage and per-node times
+
+Set sizes are 1..devices_per_node (a set inside one node) or whole nodes beyond that. A
+colocated set runs its models' ops one after another on all its devices and must hold every
+model's static state (weights; grads and optimizer state if trained) at once plus the largest
+op's transient memory. Inputs produced on another set pay a transfer; on CPU, devices beyond
+the physical cores slow every busy device down (``Simulator.contention``).
+
+Imports no Ray: ``hybridflow plan`` and graph validation stay light.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import networkx as nx
+
+from hybridflow.placement.profiles import HardwareProfile, ModelArch, arch_from_hf_config, get_profile, model_size
+from hybridflow.placement.simulator import (
+    Layout,
+    ModelInfo,
+    OpNode,
+    PlanGraph,
+    Simulator,
+    Workload,
+    all_partitions,
+)
+
+
+@dataclass(frozen=True)
+class SetPlan:
+    models: tuple[str, ...]
+    devices: int
+    layouts: dict[str, Layout]
+    node_times: dict[str, float]  # node name -> seconds (op time only)
+    memory_per_device: float
+
+
+@dataclass
+class Plan:
+    sets: tuple[SetPlan, ...]
+    stage_times: list[float]
+    node_times: dict[str, float]  # including transfers into the node's set
+    total: float
+
+    @property
+    def placement(self) -> dict[str, int]:
+        """Model -> index of its set."""
+        return {m: i for i, s in enumerate(self.sets) for m in s.models}
+
+    def key(self) -> str:
+        return " | ".join(f"{'+'.join(s.models)}:{s.devices}" for s in self.sets)
+
+    def describe(self, graph: PlanGraph | None = None) -> str:
+        lines = [f"plan: {self.key()}   predicted iteration {self.total:.4g} s"]
+        for i, s in enumerate(self.sets):
+            lines.append(f"  set {i}: {s.devices} device(s), {s.memory_per_device / 1e9:.3g} GB/device")
+            for m in s.models:
+                lines.append(f"    {m:<10} {s.layouts[m]}")
+        lines.append("  stages: " + ", ".join(f"{t:.4g} s" for t in self.stage_times))
+        for name, seconds in self.node_times.items():
+            lines.append(f"    {name:<16} {seconds:.4g} s")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "key": self.key(),
+            "total_s": self.total,
+            "stage_s": self.stage_times,
+            "node_s": self.node_times,
+            "sets": [
+                {"models": list(s.models), "devices": s.devices,
+                 "layouts": {m: str(l) for m, l in s.layouts.items()}}
+                for s in self.sets
+            ],
+        }
+
+
+class AutoMapper:
+    """Search placements of ``graph`` on ``total_devices`` devices of one profile."""
+
+    def __init__(self, graph: PlanGraph, profile: HardwareProfile, total_devices: int, devices_per_node: int):
+        self.graph = graph
+        self.total_devices = total_devices
+        self.sim = Simulator(profile, devices_per_node, graph.workload)
+        dpn = devices_per_node
+        self.sizes = [n for n in range(1, min(dpn, total_devices) + 1)]
+        self.sizes += [k * dpn for k in range(2, total_devices // dpn + 1)]
+        self._model_cache: dict[tuple[str, int], list[tuple[Layout, float, float, float]]] = {}
+        self._set_cache: dict[tuple[tuple[str, ...], int], SetPlan | None] = {}
+        self.num_evaluated = 0
+
+    # -- per model ------------------------------------------------------------------------------
+
+    def model_time(self, model: str, layout: Layout, free_memory: float) -> dict[str, float]:
+        info = self.graph.models[model]
+        return {n.name: self.sim.time(self.node_work(n, layout, free_memory)) for n in self.graph.nodes_of(model)}
+
+    def node_work(self, node: OpNode, layout: Layout, free_memory: float) -> dict[str, float]:
+        """A node's work: its op ``calls`` times, plus the controller's dispatch of it."""
+        work = self.sim.op_work(self.graph.models[node.model], node.op, layout, free_memory)
+        work = {k: v * node.calls for k, v in work.items()}
+        work["overhead:dispatch"] = work.get("overhead:dispatch", 0.0) + 1
+        return work
+
+    def candidates(self, model: str, n: int) -> list[tuple[Layout, float, float, float]]:
+        """(layout, static bytes, transient bytes, seconds alone) for every layout that fits
+        alone, fastest first. Cached per (model, device count)."""
+        key = (model, n)
+        if key not in self._model_cache:
+            info = self.graph.models[model]
+            usable = self.sim.usable_memory()
+            out = []
+            for layout in self.sim.layouts(info, n):
+                static = self.sim.static_memory(info, layout)
+                transient = self.sim.transient_memory(info, layout)
+                if static + transient > usable:
+                    continue
+                free = self._kv_free(info, layout, usable - static)
+                out.append((layout, static, transient, sum(self.model_time(model, layout, free).values())))
+            out.sort(key=lambda c: c[3])
+            self._model_cache[key] = out
+        return self._model_cache[key]
+
+    def _kv_free(self, info: ModelInfo, layout: Layout, free_after_static: float) -> float:
+        if info.role != "actor" or info.arch is None:
+            return free_after_static
+        return free_after_static - self.sim._generation_weight_extra(info, layout)
+
+    # -- per colocated set ----------------------------------------------------------------------
+
+    def set_plan(self, models: tuple[str, ...], n: int) -> SetPlan | None:
+        """Layouts for ``models`` sharing ``n`` devices, or None when they cannot fit."""
+        key = (tuple(sorted(models)), n)
+        if key in self._set_cache:
+            return self._set_cache[key]
+        usable = self.sim.usable_memory()
+        cands = {m: self.candidates(m, n) for m in models}
+        plan = None
+        if all(cands.values()):
+            choice = {m: 0 for m in models}
+
+            def memory() -> float:
+                picked = [cands[m][choice[m]] for m in models]
+                return sum(c[1] for c in picked) + max(c[2] for c in picked)
+
+            # Greedy: while the set does not fit, move the model whose next smaller-memory
+            # layout costs the least extra time per byte saved.
+            while memory() > usable:
+                best = None
+                for m in models:
+                    cur = cands[m][choice[m]]
+                    for j in range(choice[m] + 1, len(cands[m])):
+                        alt = cands[m][j]
+                        saved = (cur[1] + cur[2]) - (alt[1] + alt[2])
+                        if saved > 0:
+                            ratio = (alt[3] - cur[3]) / saved
+                            if best is None or ratio < best[0]:
+                                best = (ratio, m, j)
+                            break
+                if best is None:
+                    break
+                choice[best[1]] = best[2]
+            if memory() <= usable:
+                layouts = {m: cands[m][choice[m]][0] for m in models}
+                plan = self._finish_set(models, n, layouts, cands, choice, usable)
+        self._set_cache[key] = plan
+        return plan
+
+    def _finish_set(self, models, n, layouts, cands, choice, usable) -> SetPlan:
+        statics = {m: cands[m][choice[m]][1] for m in models}
+        # The actor's layout (and generation layout) again, now that the KV cache competes with
+        # its set mates' static memory.
+        for m in models:
+            info = self.graph.models[m]
+            if info.role != "actor" or info.arch is None:
+                continue
+            others = sum(v for k, v in statics.items() if k != m)
+            others_transient = max([cands[k][choice[k]][2] for k in models if k != m], default=0.0)
+            best = None
+            for layout, static, transient, _ in cands[m]:
+                if others + static + max(transient, others_transient) > usable:
+                    continue
+                free = self._kv_free(info, layout, usable - others - static)
+                seconds = sum(self.model_time(m, layout, free).values())
+                if best is None or seconds < best[0]:
+                    best = (seconds, layout, static, transient)
+            if best is not None:
+                layouts[m], statics[m] = best[1], best[2]
+        node_times = {}
+        for m in models:
+            info = self.graph.models[m]
+            free = self._kv_free(info, layouts[m], usable - sum(statics.values()))
+            node_times.update(self.model_time(m, layouts[m], free))
+        transient = max(self.sim.transient_memory(self.graph.models[m], layouts[m]) for m in models)
+        return SetPlan(tuple(models), n, dict(layouts), node_times, sum(statics.values()) + transient)
+
+    # -- plans ----------------------------------------------------------------------------------
+
+    def evaluate(self, sets: list[tuple[tuple[str, ...], int]]) -> Plan | None:
+        """The cost of one placement: colocated sets with their device counts."""
+        set_plans = []
+        for models, n in sets:
+            sp = self.set_plan(tuple(models), n)
+            if sp is None:
+                return None
+            set_plans.append(sp)
+        self.num_evaluated += 1
+        return self._combine(set_plans)
+
+    def _combine(self, set_plans: list[SetPlan]) -> Plan:
+        where = {m: i for i, sp in enumerate(set_plans) for m in sp.models}
+        by_name = {node.name: node for node in self.graph.nodes}
+        node_times = {}
+        per_stage_set = [[0.0] * len(set_plans) for _ in range(self.graph.num_stages)]
+        for node in self.graph.nodes:
+            i = where[node.model]
+            seconds = set_plans[i].node_times[node.name]
+            for src in node.inputs:
+                j = where[by_name[src].model]
+                if j != i:
+                    seconds += self.sim.time(
+                        self.sim.transfer_work(by_name[src], set_plans[i].devices, set_plans[j].devices)
+                    )
+            node_times[node.name] = seconds
+            per_stage_set[node.stage][i] += seconds
+        stage_times = []
+        for row in per_stage_set:
+            busy = sum(sp.devices for sp, t in zip(set_plans, row) if t > 0)
+            stage_times.append(max(row) * self.sim.contention(busy))
+        return Plan(tuple(set_plans), stage_times, node_times, sum(stage_times))
+
+    def min_devices(self, models: tuple[str, ...]) -> int | None:
+        """The fewest devices on which ``models`` fit together (memory only)."""
+        for n in self.sizes:
+            if self.set_plan(models, n) is not None:
+                return n
+        return None
+
+    def search(self, keep: int = 10) -> list[Plan]:
+        """The ``keep`` cheapest plans, best first (an empty list when nothing fits)."""
+        models = list(self.graph.models)
+        best: list[Plan] = []
+        feasible: dict[tuple[str, ...], list[int]] = {}
+        for partition in all_partitions(models):
+            sizes_per_set = []
+            for s in partition:
+                if s not in feasible:
+                    low = self.min_devices(s)
+                    feasible[s] = [] if low is None else [n for n in self.sizes if n >= low]
+                sizes_per_set.append(feasible[s])
+            if not all(sizes_per_set):
+                continue
+            for alloc in _allocations(self.total_devices, sizes_per_set):
+                plan = self.evaluate(list(zip(partition, alloc)))
+                if plan is None:
+                    continue
+                best.append(plan)
+                if len(best) > 4 * keep:
+                    best.sort(key=lambda p: p.total)
+                    del best[keep:]
+        best.sort(key=lambda p: p.total)
+        return best[:keep]
+
+
+def _allocations(total: int, sizes_per_set: list[list[int]]):
+    if len(sizes_per_set) == 1:
+        if total in sizes_per_set[0]:
+            yield (total,)
+        return
+    rest_min = sum(s[0] for s in sizes_per_set[1:])
+    for n in sizes_per_set[0]:
+        if n + rest_min > total:
+            break
+        for rest in _allocations(total - n, sizes_per_set[1:]):
+            yield (n,) + rest
+
+
+# -- from a validated hybridflow Graph ------------------------------------------------------------
+
+TINY_VOCAB = 64  # the built-in tasks' character tokenizers have a few dozen symbols
+
+
+def _arch_of(model_spec, size: str | None, base_dir: Path) -> ModelArch | None:
+    source = model_spec.source
+    if source.rule is not None:
+        return None
+    if size is not None:
+        return model_size(size)
+    if source.path is not None:
+        config = json.loads((Path(base_dir) / source.path / "config.json").read_text())
+        return arch_from_hf_config(config, name=Path(source.path).name)
+    from hybridflow.engines.models import TINY_QWEN2  # the one place the tiny defaults live
+
+    return arch_from_hf_config({"vocab_size": TINY_VOCAB, **TINY_QWEN2, **source.config})
+
+
+def plan_graph(graph, model_size_name: str | None = None) -> PlanGraph:
+    """The simulator's view of a validated ``hybridflow.graph.dag.Graph``.
+
+    With ``model_size_name`` every weighted model becomes that Llama size and may use any
+    tp x pp layout (as megatron-core would run it; the torch engine is data-parallel only).
+    """
+    spec = graph.spec
+    base_dir = Path(graph.file).parent if Path(graph.file).is_file() else Path(".")
+    updated = {n.model for n in graph.nodes if n.op == "update"}
+    models = {}
+    for name, m in spec.models.items():
+        models[name] = ModelInfo(
+            name=name,
+            role=m.role,
+            arch=_arch_of(m, model_size_name, base_dir),
+            trainable=name in updated,
+            micro_batch=None if model_size_name else m.train.micro_batch_size,
+            any_layout=model_size_name is not None or m.train.engine == "megatron",
+            flexible_generation=m.rollout is not None and (m.rollout.engine == "vllm" or model_size_name is not None),
+        )
+    from hybridflow.graph.dag import SOURCE
+
+    depth = {SOURCE: -1}
+    for name in nx.topological_sort(graph.dag):
+        if name != SOURCE:
+            depth[name] = max(depth[src] for src, _ in graph.dag.in_edges(name)) + 1
+    nodes = tuple(
+        OpNode(
+            name=n.name,
+            op=n.op,
+            model=n.model,
+            inputs=tuple(sorted({s for s in graph.producers(n).values() if s != SOURCE})),
+            stage=depth[n.name],
+        )
+        for n in graph.nodes
+    )
+    actor = spec.models[graph.actor]
+    updates = [n for n in graph.nodes if n.op == "update"]
+    workload = Workload(
+        num_prompts=spec.data.prompts_per_iteration,
+        samples_per_prompt=actor.rollout.n if actor.rollout else 1,
+        prompt_len=spec.data.max_prompt_length,
+        response_len=spec.data.max_response_length,
+        epochs=max((n.spec.options.epochs for n in updates), default=1),
+        updates_per_epoch=max((n.spec.options.mini_batches for n in updates), default=1),
+        micro_batch=1 if model_size_name else actor.train.micro_batch_size,
+    )
+    return PlanGraph(models, nodes, workload)
+
+
+def mapper_for_pool(graph, pool, model_size_name: str | None = None, base_dir: str | Path = ".") -> AutoMapper:
+    """An auto-mapper for ``graph`` over the devices of one ``PoolSpec`` (its profile's rates)."""
+    profile = get_profile(pool.profile, pool.device, base_dir)
+    return AutoMapper(plan_graph(graph, model_size_name), profile, pool.num_devices, pool.devices_per_node)
+
+
+def plan_for_pool(graph, pool, model_size_name: str | None = None, base_dir: str | Path = ".") -> tuple[AutoMapper, list[Plan]]:
+    """Search placements of ``graph`` over the devices of one ``PoolSpec``."""
+    mapper = mapper_for_pool(graph, pool, model_size_name, base_dir)
+    return mapper, mapper.search()
+
+
+def split_pool(pool_name: str, pool, plan: Plan) -> tuple[dict[str, str], dict]:
+    """Pools for a plan's sets, carved out of ``pool``: (model -> pool name, pool name -> PoolSpec)."""
+    if len(plan.sets) == 1:
+        return {m: pool_name for m in plan.sets[0].models}, {pool_name: pool}
+    placement, pools = {}, {}
+    for i, s in enumerate(plan.sets):
+        name = f"{pool_name}.{i}"
+        if s.devices <= pool.devices_per_node:
+            nodes, per_node = 1, s.devices
+        else:
+            nodes, per_node = s.devices // pool.devices_per_node, pool.devices_per_node
+        pools[name] = pool.model_copy(update={"nodes": nodes, "devices_per_node": per_node})
+        for m in s.models:
+            placement[m] = name
+    return placement, pools
+
+
+def auto_placement(graph) -> tuple[dict[str, str], dict]:
+    """``build_graph``'s planner for ``placement: auto``: search over the graph's first pool and
+    carve that pool into one pool per colocated set of the best plan."""
+    pool_name = next(iter(graph.pools))
+    pool = graph.pools[pool_name]
+    base_dir = Path(graph.file).parent if Path(graph.file).is_file() else Path(".")
+    _, plans = plan_for_pool(graph, pool, base_dir=base_dir)
+    if not plans:
+        from hybridflow.spec.loading import SpecError
+
+        raise SpecError(graph.file, "placement", f"auto: the models do not fit on pool {pool_name!r}")
+    return split_pool(pool_name, pool, plans[0])
+
+
+# -- the paper's dataflows (for paper-scale studies without graph files) -------------------------
+
+
+def rlhf_plan_graph(algorithm: str, arch: ModelArch, workload: Workload) -> PlanGraph:
+    """PPO, ReMax or Safe-RLHF as in the HybridFlow paper, every model of architecture ``arch``.
+
+    Stages: generation; preparation (forwards of every model on the responses); advantage;
+    training. ReMax generates twice (sampled and greedy baseline) and scores both; Safe-RLHF adds
+    a cost model scored beside the reward model.
+    """
+    models = {
+        "actor": ModelInfo("actor", "actor", arch, trainable=True),
+        "ref": ModelInfo("ref", "ref", arch),
+        "reward": ModelInfo("reward", "reward", arch),
+    }
+    nodes = [OpNode("generate", "generate", "actor", (), 0)]
+    prep = ["old_log_prob", "ref_log_prob", "reward"]
+    nodes += [
+        OpNode("old_log_prob", "log_prob", "actor", ("generate",), 1),
+        OpNode("ref_log_prob", "log_prob", "ref", ("generate",), 1),
+    ]
+    if algorithm == "remax":
+        nodes.append(OpNode("generate_greedy", "generate", "actor", (), 0))
+        nodes.append(OpNode("reward", "score", "reward", ("generate", "generate_greedy"), 1, calls=2))
+    else:
+        nodes.append(OpNode("reward", "score", "reward", ("generate",), 1))
+    train = ["update_actor"]
+    if algorithm in ("ppo", "safe_rlhf"):
+        models["critic"] = ModelInfo("critic", "critic", arch, trainable=True)
+        nodes.append(OpNode("values", "values", "critic", ("generate",), 1))
+        prep.append("values")
+        train.append("update_critic")
+    if algorithm == "safe_rlhf":
+        models["cost"] = ModelInfo("cost", "cost", arch)
+        nodes.append(OpNode("cost", "score", "cost", ("generate",), 1))
+        prep.append("cost")
+    elif algorithm not in ("ppo", "remax"):
+        raise ValueError(f"unknown algorithm {algorithm!r}; expected ppo, remax or safe_rlhf")
+    nodes.append(OpNode("advantage", "advantage", "actor", tuple(prep), 2))
+    nodes.append(OpNode("update_actor", "update", "actor", ("advantage", "old_log_prob", "ref_log_prob"), 3))
+    if "critic" in models:
+        nodes.append(OpNode("update_critic", "update", "critic", ("advantage", "values"), 3))
+    return PlanGraph(models, tuple(nodes), workload)
+
+
+__all__ = [
+    "AutoMapper", "Plan", "SetPlan", "auto_placement", "mapper_for_pool", "plan_for_pool", "plan_graph", "rlhf_plan_graph", "split_pool",
+]
