@@ -14,11 +14,18 @@ from hybridflow.workers.protocols import (
     Protocol,
     ShardedRef,
     dispatch_table,
+    RankCoords,
+    controller_get,
+    fetched_tensor_bytes,
+    plan_padded_split,
     plan_split,
+    rank_coords,
     register,
     register_protocol,
     resolve,
+    tensor_bytes,
 )
+from hybridflow.spec.layout import ParallelLayout
 
 # -- plan_split (pure: strings stand in for object refs) ------------------------------------------
 
@@ -78,6 +85,31 @@ def test_plan_split_rejects_groups_not_divisible_by_ranks():
         plan_split([sharded], num_ranks=2, group_size=2)
 
 
+def test_padded_split_keeps_groups_whole_and_pads_short_ranks():
+    sharded = ShardedRef(refs=["a", "b"], sizes=[6, 4])  # 5 groups of 2
+    shares = plan_padded_split([sharded], num_ranks=2, group_size=2)
+    assert [share.num_valid for share in shares] == [6, 4]
+    rows = [_global_rows(sharded, share.pieces[0]) for share in shares]
+    assert rows[0] == [0, 1, 2, 3, 4, 5]
+    # Rank 1 has groups 3 and 4 and gets a copy of its own first group (rows 6, 7) appended.
+    assert rows[1] == [6, 7, 8, 9, 6, 7]
+
+
+def test_padded_split_more_ranks_than_groups():
+    sharded = ShardedRef(refs=["a"], sizes=[3])  # 1 group of 3
+    shares = plan_padded_split([sharded, sharded], num_ranks=3, group_size=3)
+    assert [share.num_valid for share in shares] == [3, 0, 0]
+    for share in shares:
+        assert [_global_rows(sharded, pieces) for pieces in share.pieces] == [[0, 1, 2]] * 2
+
+
+def test_padded_split_even_batch_has_no_padding():
+    sharded = ShardedRef(refs=["a", "b"], sizes=[4, 8])
+    shares = plan_padded_split([sharded], num_ranks=3, group_size=2)
+    assert [share.num_valid for share in shares] == [4, 4, 4]
+    assert [share.pieces for share in shares] == plan_split([sharded], 3, 2)
+
+
 def test_plan_split_rejects_partial_groups():
     with pytest.raises(ValueError, match="not a whole number of groups of 2"):
         plan_split([ShardedRef(refs=["a"], sizes=[7])], num_ranks=1, group_size=2)
@@ -90,6 +122,43 @@ def test_plan_split_rejects_mismatched_totals():
             num_ranks=2,
             group_size=1,
         )
+
+
+# -- 3D rank order --------------------------------------------------------------------------------
+
+
+def test_rank_coords_follow_megatron_default_order():
+    # megatron-core 0.16 RankGenerator(tp=2, dp=2, pp=2, order="tp-cp-ep-dp-pp") gives
+    # tp groups [[0,1],[2,3],[4,5],[6,7]], dp groups [[0,2],[1,3],[4,6],[5,7]],
+    # pp groups [[0,4],[1,5],[2,6],[3,7]] (test_rank_coords_match_megatron checks it live).
+    layout = ParallelLayout(tp=2, pp=2, dp=2)
+    coords = [rank_coords(layout, rank) for rank in range(8)]
+    groups = {
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    }
+    for axis, axis_groups in groups.items():
+        for group in axis_groups:
+            # Ranks of one group differ only along `axis`, and take its values 0, 1 in order.
+            others = {(c.dp, c.tp, c.pp) for c in [coords[r] for r in group]}
+            assert len(others) == len(group)
+            assert [getattr(coords[r], axis) for r in group] == list(range(len(group)))
+            fixed = [a for a in ("dp", "tp", "pp") if a != axis]
+            assert len({tuple(getattr(coords[r], a) for a in fixed) for r in group}) == 1
+    assert coords[5] == RankCoords(dp=0, tp=1, pp=1)
+    with pytest.raises(IndexError):
+        rank_coords(layout, 8)
+
+
+@pytest.mark.slow
+def test_rank_coords_match_megatron():
+    parallel_state = pytest.importorskip("megatron.core.parallel_state")
+    gen = parallel_state.RankGenerator(tp=2, ep=1, dp=3, pp=2, cp=1, order="tp-cp-ep-dp-pp")
+    layout = ParallelLayout(tp=2, pp=2, dp=3)
+    for axis in ("tp", "dp", "pp"):
+        for group in gen.get_ranks(axis):
+            assert [getattr(rank_coords(layout, r), axis) for r in group] == list(range(len(group)))
 
 
 # -- resolve (pure: a dict stands in for the object store) ----------------------------------------
@@ -242,6 +311,24 @@ class ToyWorker(Worker):
     def broken(self, batch: TensorDict) -> TensorDict:
         return batch
 
+    @register(Dispatch.ALL_TO_ALL)
+    def pair(self, value, *, scale):
+        return {"rank": self.rank, "value": value * scale}
+
+    @register(Dispatch.DP_3D)
+    def stage(self, batch: TensorDict, *, coords) -> tuple[TensorDict, dict]:
+        """Tags each row with the rank that computed it; reports the uids it saw."""
+        n = batch.batch_size[0]
+        out = TensorDict(
+            {"uid": batch["uid"], "by_rank": torch.full((n,), self.rank), "pp": torch.full((n,), coords.pp)},
+            batch_size=batch.batch_size,
+        )
+        return out, {"coords": (coords.dp, coords.tp, coords.pp), "uids": batch["uid"].tolist()}
+
+    @register("test_first_rank_only")
+    def whoami(self):
+        return self.rank
+
 
 def _source(sizes: list[int]) -> ShardedRef:
     """Prompts 0..N-1 as shards of the given sizes, with uid, value and text per prompt."""
@@ -334,11 +421,105 @@ def test_bad_calls_fail_clearly(groups):
         group_a.call("shutdown")
     with pytest.raises(TypeError, match="needs group_size"):
         group_a.call("double", [_source([2])])
-    with pytest.raises(ValueError, match="across 2 ranks"):
-        group_a.call("double", [_source([3])], group_size=1)
+    with pytest.raises(ValueError, match="not a whole number of groups of 2"):
+        group_a.call("double", [_source([3])], group_size=2)
+    with pytest.raises(TypeError, match="not a list of 2"):
+        group_a.call("pair", [1, 2, 3], scale=[1, 1])
+    with pytest.raises(TypeError, match="needs layout="):
+        group_a.call("stage", [_source([2])], group_size=1)
     pending = group_a.call("broken", [_source([2])], group_size=1)
     with pytest.raises(TypeError, match=r"must return \(TensorDict, dict\)"):
         pending.result(timeout_s=30)
+
+
+def test_dp_split_pads_uneven_batches_and_drops_the_padding(groups):
+    group_a, _ = groups
+    # 3 prompts on 2 ranks: rank 1 gets prompt 2 plus a padded copy, so both all-reduce 2 rows.
+    doubled, metas = group_a.double([_source([3])], group_size=1).result(timeout_s=60)
+    assert doubled.sizes == [2, 1]
+    assert [meta["global_sum"] for meta in metas] == [2 * (0 + 1 + 2 + 2) + 4 * 0.5] * 2
+    assert doubled.fetch()["x2"].tolist() == [0.5, 2.5, 4.5]
+
+
+def test_uneven_prompt_groups_stay_whole_across_groups(groups):
+    group_a, group_b = groups
+    # 5 prompts on 2 ranks (3 + 2, padded), expanded to 2 samples each.
+    expanded, metas_1 = group_a.expand([_source([2, 3])], group_size=1, n=2).result(timeout_s=60)
+    assert expanded.sizes == [6, 4]
+    doubled, _ = group_a.double([expanded], group_size=2).result(timeout_s=60)
+    assert doubled.sizes == [6, 4]
+    # 5 groups of 2 on 3 ranks: 2, 2, 1 (+1 padded); every rank sees whole groups.
+    combined, metas_3 = group_b.combine([expanded, doubled], group_size=2).result(timeout_s=60)
+    assert combined.sizes == [4, 4, 2]
+    assert all(meta["groups_whole"] for meta in metas_3)
+    result = combined.fetch()
+    prompt = [i // 2 for i in range(10)]
+    assert result["y"].tolist() == [3 * p + 0.5 for p in prompt]
+    assert result.get("text_out").tolist() == [f"p{p}!" for p in prompt]
+
+
+def test_all_to_all_gives_each_rank_its_item(groups):
+    _, group_b = groups
+    results = ray.get(group_b.pair([10, 20, 30], scale=[1, 2, 3]))
+    assert results == [{"rank": 0, "value": 10}, {"rank": 1, "value": 40}, {"rank": 2, "value": 90}]
+
+
+def test_custom_protocol_collects_what_it_says(groups):
+    _, group_b = groups
+    assert ray.get(group_b.whoami()) == 0  # "test_first_rank_only": rank 0's ref, not a list
+
+
+@pytest.fixture(scope="module")
+def group_4(ray_session):
+    pool = ResourcePool("four", PoolSpec(devices_per_node=4, cpus_per_device=0.25))
+    group = WorkerGroup(ToyWorker, pool, {}, name="toy_4")
+    yield group
+    group.shutdown()
+    pool.remove()
+
+
+@pytest.mark.parametrize(
+    "layout, collected",
+    [
+        (ParallelLayout(tp=2, pp=1, dp=2), [0, 2]),  # tp rank 0 of each DP group
+        (ParallelLayout(tp=1, pp=2, dp=2), [2, 3]),  # the last pipeline stage
+        (ParallelLayout(tp=2, pp=2, dp=1), [2]),
+        (ParallelLayout(tp=1, pp=1, dp=4), [0, 1, 2, 3]),
+    ],
+)
+def test_3d_same_chunk_per_dp_group_collect_tp0_last_stage(group_4, layout, collected):
+    # 5 prompts, 2 samples each: uneven over dp=2 and dp=4, so padding is exercised too.
+    uid = torch.arange(5).repeat_interleave(2)
+    source = ShardedRef.put(TensorDict({"uid": uid}, batch_size=[10]))
+    pending = group_4.stage([source], group_size=2, layout=layout)
+    assert len(pending.all_meta_refs) == 4
+    all_metas = ray.get(pending.all_meta_refs)
+    by_dp: dict[int, list] = {}
+    for meta in all_metas:
+        dp, tp, pp = meta["coords"]
+        assert rank_coords(layout, meta["rank"]) == RankCoords(dp=dp, tp=tp, pp=pp)
+        by_dp.setdefault(dp, []).append(meta["uids"])
+    assert len(by_dp) == layout.dp
+    for uids in by_dp.values():  # every TP/PP rank of a DP group got the same chunk
+        assert all(u == uids[0] for u in uids)
+        assert len(uids[0]) % 2 == 0
+    sharded, metas = pending.result(timeout_s=60)
+    assert [meta["rank"] for meta in metas] == collected
+    out = sharded.fetch()
+    assert out["uid"].tolist() == uid.tolist()  # padding dropped, sample order kept
+    assert set(out["by_rank"].tolist()) == set(collected)
+    assert set(out["pp"].tolist()) == {layout.pp - 1}
+
+
+def test_controller_fetch_counts_tensor_bytes(ray_session):
+    batch = TensorDict({"x": torch.zeros(6, 4), "text": [str(i) for i in range(6)]}, batch_size=[6])
+    assert tensor_bytes(batch) == 6 * 4 * 4
+    before = fetched_tensor_bytes()
+    controller_get(ray.put({"metrics": {"a": 1.0}, "num_samples": 3}))
+    assert fetched_tensor_bytes() == before
+    sharded = ShardedRef.put(batch)
+    assert sharded.fetch()["x"].shape == (6, 4)
+    assert fetched_tensor_bytes() - before == 96
 
 
 def test_pool_that_cannot_fit_names_the_shortage(ray_session):
@@ -349,6 +530,27 @@ def test_pool_that_cannot_fit_names_the_shortage(ray_session):
     assert "'huge'" in message and "128 CPUs" in message
     assert f"cluster has {ray.cluster_resources()['CPU']:g} CPUs" in message
     assert not pool.created
+
+
+def test_multi_node_pool_needs_enough_labelled_nodes(ray_session):
+    # The session cluster is one node: a pool over two nodes must say so, not half-place.
+    pool = ResourcePool("wide", PoolSpec(nodes=2, devices_per_node=1, cpus_per_device=0.25))
+    with pytest.raises(PoolUnavailableError, match="spans 2 nodes .* the cluster has 1 such node"):
+        pool.create(timeout_s=5)
+    labelled = ResourcePool("pinned", PoolSpec(node_labels={"hybridflow-node": "nowhere"}))
+    with pytest.raises(PoolUnavailableError, match="'pinned' could not be placed"):
+        labelled.create(timeout_s=0.5)
+    assert not pool.created and not labelled.created
+
+
+def test_single_node_pool_records_its_node(ray_session):
+    pool = ResourcePool("one", PoolSpec(devices_per_node=2, cpus_per_device=0.25))
+    try:
+        pool.create()
+        node = ray.get_runtime_context().get_node_id()
+        assert [pool.node_of(rank) for rank in range(2)] == [node, node]
+    finally:
+        pool.remove()
 
 
 class FailingWorker(Worker):

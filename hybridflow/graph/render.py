@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import networkx as nx
+
 from hybridflow.graph.dag import SOURCE, Graph
+from hybridflow.spec.loading import SpecError
 
 
 def describe(graph: Graph) -> str:
@@ -23,3 +28,61 @@ def describe(graph: Graph) -> str:
             + (f"   waits for: {', '.join(waits)}" if waits else "")
         )
     return "\n".join(lines)
+
+
+def draw(graph: Graph, out: str | Path) -> Path:
+    """Draw the DAG into an image file: one box per node (coloured by its model's pool), edges
+    labelled with the keys they carry, data flowing left to right. Needs matplotlib (the ``plot``
+    extra); imported here so that describing a graph does not need it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SpecError(
+            graph.file, "--out", "drawing needs matplotlib: pip install 'hybridflow[plot]'"
+        ) from None
+    matplotlib.use("Agg")  # files only; never a window
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    dag = graph.dag.copy()
+    for layer, names in enumerate(nx.topological_generations(dag)):
+        for name in names:
+            dag.nodes[name]["layer"] = layer
+    positions = nx.multipartite_layout(dag, subset_key="layer", align="vertical")
+    positions = {name: (x, -y) for name, (x, y) in positions.items()}
+    pools = list(dict.fromkeys(graph.placement.values()))
+    palette = plt.get_cmap("tab10")
+    pool_colour = {pool: palette(i % 10) for i, pool in enumerate(pools)}
+    pool_of = {node.name: graph.placement[node.model] for node in graph.nodes}
+    colours = [pool_colour[pool_of[n]] if n in pool_of else (0.85, 0.85, 0.85, 1.0) for n in dag]
+    labels = {
+        n: (f"{n}\n{graph.node(n).op} on {graph.node(n).model}" if n in pool_of else "prompts")
+        for n in dag
+    }
+    layers = 1 + max(nx.get_node_attributes(dag, "layer").values())
+    fig, ax = plt.subplots(figsize=(max(6.0, 2.6 * layers), 5.0))
+    nx.draw_networkx_nodes(dag, positions, ax=ax, node_color=colours, node_size=3800, node_shape="s")
+    nx.draw_networkx_labels(dag, positions, labels, ax=ax, font_size=7)
+    # Edges that skip a layer bend, so they do not run through the boxes in between.
+    layer = nx.get_node_attributes(dag, "layer")
+    for long_edges, style in ((False, "arc3"), (True, "arc3,rad=0.25")):
+        edges = [(u, v) for u, v in dag.edges if (layer[v] - layer[u] > 1) == long_edges]
+        nx.draw_networkx_edges(dag, positions, edgelist=edges, ax=ax, node_size=3800,
+                               arrowsize=14, node_shape="s", connectionstyle=style)
+        nx.draw_networkx_edge_labels(
+            dag, positions, {(u, v): ", ".join(dag.edges[u, v]["keys"]) for u, v in edges},
+            ax=ax, font_size=6, connectionstyle=style,
+        )
+    ax.legend(
+        handles=[Patch(color=pool_colour[p], label=f"pool {p}: {', '.join(graph.models_on(p))}")
+                 for p in pools],
+        loc="upper left", fontsize=8, frameon=False,
+    )
+    ax.set_title(f"{graph.spec.name} ({graph.file})", fontsize=9)
+    ax.axis("off")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -3,10 +3,14 @@
 One bundle per device (rank): ``{"CPU": cpus_per_device}`` plus ``{"GPU": 1}`` on GPU pools.
 Rank ``r`` of a worker group on the pool is scheduled into bundle ``r``.
 
-The group is created with the ``PACK`` strategy (as few nodes as possible), which is right for
-the single-node pools we run today. A multi-node pool that must put exactly
-``devices_per_node`` ranks on each node needs per-node handling (``STRICT_PACK`` groups per node,
-or ``bundle_label_selector``); that comes later and is rejected here rather than half-honoured.
+- One node, no labels: a ``PACK`` group (Ray picks the node).
+- One node with ``node_labels``: ``STRICT_PACK``, every bundle's label selector = the labels, so
+  the pool lands on a node started with ``ray start --labels``.
+- ``nodes`` > 1: the pool picks ``nodes`` distinct alive nodes that carry ``node_labels`` and
+  have the resources for ``devices_per_node`` bundles, and pins bundle ``r`` to node
+  ``r // devices_per_node`` through the built-in ``ray.io/node-id`` label. Ranks of one node are
+  consecutive, so a TP group (consecutive ranks, see ``workers.protocols.rank_coords``) stays
+  inside a node when ``tp <= devices_per_node``.
 """
 
 from __future__ import annotations
@@ -14,7 +18,12 @@ from __future__ import annotations
 import socket
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    NODE_ID_LABEL_KEY,
+    PlacementGroup,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.spec.pool import PoolSpec
@@ -57,12 +66,21 @@ class ResourcePool:
         """
         if self._placement_group is not None:
             return self._placement_group
+        labels = dict(self.spec.node_labels)
+        name = f"hybridflow:{self.name}"
         if self.spec.nodes > 1:
-            raise NotImplementedError(
-                f"resource pool {self.name!r}: nodes={self.spec.nodes}; multi-node pools need "
-                "per-node bundle placement, which is not implemented yet (use nodes: 1)"
+            selectors = [
+                {**labels, NODE_ID_LABEL_KEY: node_id}
+                for node_id in self._pick_nodes()
+                for _ in range(self.spec.devices_per_node)
+            ]
+            pg = placement_group(self.bundles, "PACK", name, bundle_label_selector=selectors)
+        elif labels:
+            pg = placement_group(
+                self.bundles, "STRICT_PACK", name, bundle_label_selector=[labels] * len(self.bundles)
             )
-        pg = placement_group(self.bundles, strategy="PACK", name=f"hybridflow:{self.name}")
+        else:
+            pg = placement_group(self.bundles, strategy="PACK", name=name)
         # ray.wait, not pg.wait: pg.wait truncates its timeout to whole seconds.
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
         if not ready:
@@ -70,6 +88,33 @@ class ResourcePool:
             raise PoolUnavailableError(self._shortage_message(timeout_s))
         self._placement_group = pg
         return pg
+
+    def _pick_nodes(self) -> list[str]:
+        """Ids of ``spec.nodes`` distinct alive nodes with the labels and room for one node's
+        bundles (by total resources; a busy node makes ``create`` time out, with a message)."""
+        per_node = {"CPU": self.spec.devices_per_node * self.spec.cpus_per_device}
+        if self.spec.device == "gpu":
+            per_node["GPU"] = float(self.spec.devices_per_node)
+        labels = self.spec.node_labels
+        fit = [
+            node["NodeID"]
+            for node in ray.nodes()
+            if node["Alive"]
+            and all(node.get("Labels", {}).get(k) == v for k, v in labels.items())
+            and all(node["Resources"].get(k, 0.0) >= v for k, v in per_node.items())
+        ]
+        if len(fit) < self.spec.nodes:
+            raise PoolUnavailableError(
+                f"resource pool {self.name!r} spans {self.spec.nodes} nodes of "
+                f"{self.spec.devices_per_node} x {self.spec.device} ({per_node}) with labels "
+                f"{labels or '{}'}; the cluster has {len(fit)} such node(s)"
+            )
+        return sorted(fit)[: self.spec.nodes]
+
+    def node_of(self, rank: int) -> str:
+        """The id of the node rank ``rank``'s bundle was placed on."""
+        table = ray.util.placement_group_table(self.placement_group)
+        return table["bundles_to_node_id"][rank]
 
     def scheduling_strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
         """Where rank ``rank`` runs: its own bundle of this pool's placement group."""

@@ -22,6 +22,11 @@ class PoolSpec(BaseModel):
         1, ge=1, description="torch intra-op threads per rank; keep cores >= ranks x threads."
     )
     profile: str | None = Field(None, description="Hardware profile name for the cost simulator.")
+    node_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Ray node labels every node of the pool must carry (`ray start --labels`); "
+        "pins a pool to chosen nodes, e.g. {hybridflow-node: second}.",
+    )
 
     @property
     def num_devices(self) -> int:

@@ -26,7 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridflow.workers.protocols import dispatch_table, get_protocol
+from hybridflow.workers.protocols import (
+    dispatch_table,
+    get_protocol,
+    protocol_names,
+    register_protocol,
+)
 
 
 class Worker:
@@ -62,6 +67,13 @@ class Worker:
         """Returns once ``__init__`` (and so the rendezvous) is done."""
         return self.rank
 
+    def install_protocols(self, protocols: dict[str, Any]) -> None:
+        """Register protocols the controller registered and this process has not imported
+        (a custom protocol defined in a script or test module lives only where it ran)."""
+        for name, protocol in protocols.items():
+            if name not in protocol_names():
+                register_protocol(name, protocol)
+
     def execute(self, method_name: str, dispatch_payload: Any, kwargs: dict[str, Any]) -> Any:
         """Run a registered method on this rank's part of a group call."""
         dispatch = dispatch_table(type(self)).get(method_name)
@@ -71,11 +83,14 @@ class Worker:
             )
         protocol = get_protocol(dispatch)
         started = time.time()  # wall clock: comparable across processes for the timeline
+        colocation = getattr(self, "colocation", None)  # set by workers hosting several models
+        if colocation is not None and "model" in kwargs:
+            colocation.activate(kwargs["model"])  # the idle models' state goes to CPU memory
         args = protocol.unpack(dispatch_payload)
         result = getattr(self, method_name)(*args, **kwargs)
-        packed = protocol.pack(method_name, result)
+        packed = protocol.pack(method_name, result, dispatch_payload)
         if protocol.num_returns == 2:
-            packed[1].update(t_start=started, t_end=time.time())
+            packed[1].update(t_start=started, t_end=time.time(), rank=self.rank, pid=os.getpid())
         return packed
 
     def shutdown(self) -> None:

@@ -4,9 +4,13 @@
 splits the call into one ``execute`` per rank and collects the returned refs:
 
 - ``Dispatch.ONE_TO_ALL``: ``group.call("load", path)`` -> ``[ObjectRef per rank]``.
+- ``Dispatch.ALL_TO_ALL``: ``group.call("load", [path_0, path_1])`` -> rank r gets ``path_r``.
 - ``Dispatch.DP_SPLIT``: ``group.call("score", [sharded_a, sharded_b], group_size=4, **kw)`` ->
   ``PendingShards``; ``pending.result()`` -> ``(ShardedRef, [meta per rank])``, fetching only
   the metas. The ShardedRef feeds the next group's DP_SPLIT call directly.
+- ``Dispatch.DP_3D``: as DP_SPLIT plus ``layout=`` (the model's resolved ``ParallelLayout``):
+  one chunk per DP rank, the same to its TP/PP ranks (each gets ``coords=``); only TP rank 0 of
+  the last PP stage is collected.
 
 The group knows nothing about models or engines; those live in the ``Worker`` subclass.
 """
@@ -21,7 +25,13 @@ import ray
 
 from hybridflow.placement.pools import ResourcePool
 from hybridflow.workers.base import Worker
-from hybridflow.workers.protocols import Dispatch, PendingShards, dispatch_table, get_protocol
+from hybridflow.workers.protocols import (
+    Dispatch,
+    PendingShards,
+    controller_get,
+    dispatch_table,
+    get_protocol,
+)
 
 __all__ = ["PendingShards", "WorkerGroup"]
 
@@ -36,7 +46,7 @@ class WorkerGroup:
         init_kwargs: dict[str, Any] | None = None,
         name: str = "workers",
         *,
-        ready_timeout_s: float = 120.0,
+        ready_timeout_s: float = 300.0,  # importing torch + transformers on a busy box
     ) -> None:
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
             raise TypeError(f"worker_cls must be a subclass of Worker, got {worker_cls!r}")
@@ -79,6 +89,9 @@ class WorkerGroup:
     def _wait_ready(self, timeout_s: float) -> None:
         # ray.wait, not ray.get on the list: a rank that failed in __init__ must surface at once,
         # while the others are still blocked in the rendezvous waiting for it.
+        protocols = {str(d): get_protocol(d) for d in set(self._dispatch.values())}
+        for worker in self._workers:  # queued before ready(): an actor runs calls in order
+            worker.install_protocols.remote(protocols)
         pending = {w.ready.remote(): rank for rank, w in enumerate(self._workers)}
         deadline = time.monotonic() + timeout_s
         while pending:
@@ -90,7 +103,7 @@ class WorkerGroup:
                     f"worker group {self.name!r}: ranks {missing} not initialised after "
                     f"{timeout_s:g} s (actor start or gloo rendezvous)"
                 )
-            ray.get(done[0])  # raises the rank's __init__ error, if any
+            controller_get(done[0])  # raises the rank's __init__ error, if any
             del pending[done[0]]
 
     @property
@@ -124,7 +137,10 @@ class WorkerGroup:
             if protocol.num_returns != 1:
                 execute = execute.options(num_returns=protocol.num_returns)
             returns.append(execute.remote(method_name, payload, rank_kwargs))
-        return protocol.collect(returns)
+        collected = protocol.collect([returns[rank] for rank in protocol.select(self.world_size, kwargs)])
+        if isinstance(collected, PendingShards) and protocol.num_returns == 2:
+            collected.all_meta_refs = [refs[1] for refs in returns]
+        return collected
 
     def __getattr__(self, name: str) -> Any:
         # group.score(...) == group.call("score", ...), for registered methods only.

@@ -9,8 +9,22 @@ A worker method declares its protocol next to its definition::
 A protocol has a controller half (``split`` the call into one payload per rank, ``collect`` the
 per-rank return refs into what ``WorkerGroup.call`` returns) and a worker half (``unpack`` a
 payload into the method's positional arguments, ``pack`` the method's result into the actor's
-return value(s)). The built-ins, ``Dispatch.ONE_TO_ALL`` and ``Dispatch.DP_SPLIT``, are entries of
+return value(s)). The built-ins (``Dispatch``: one-to-all, all-to-all, DP split, 3D) are entries of
 the same registry that ``register_protocol`` adds to.
+
+Uneven batches: DP_SPLIT and DP_3D give every DP rank the same number of prompt groups. When the
+groups do not divide evenly, the ranks short of a group get a copy of a real group appended
+(padding); each rank reports how many of its output rows are real, and the collected
+``ShardedRef`` covers only those, so padding never reaches the next node. Padded copies do take
+part in the rank's own computation (a batch mean over its rows, a gradient), as in verl.
+
+Rank order of the 3D protocol (megatron-core ``parallel_state`` default order ``tp-cp-ep-dp-pp``
+with cp = ep = 1): tensor-parallel rank varies fastest, then data-parallel, then pipeline stage:
+``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``; see ``rank_coords``.
+
+Every controller-side fetch goes through ``controller_get``, which counts the tensor bytes it
+materialises (``fetched_tensor_bytes``), so "the controller never sees a rollout tensor" is a
+number a test can read.
 
 Batches move as ``ShardedRef``: the producer's shards stay in the object store, the controller
 only plans which ``[start, stop)`` piece of which shard each consumer rank reads (``plan_split``),
@@ -22,7 +36,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -39,7 +53,71 @@ class Dispatch(enum.StrEnum):
     """Built-in protocols; their values are their names in the protocol registry."""
 
     ONE_TO_ALL = "one_to_all"  # same args to every rank; a list of per-rank result refs
+    ALL_TO_ALL = "all_to_all"  # every arg is a per-rank list, rank r gets item r; per-rank refs
     DP_SPLIT = "dp_split"  # batch split into contiguous, group-whole chunks; a PendingShards
+    DP_3D = "dp_3d"  # one chunk per DP group, same to its TP/PP ranks; collect tp 0, last pp
+
+
+# -- the controller's one fetch -------------------------------------------------------------------
+
+_FETCHED = {"tensor_bytes": 0}
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of every tensor inside ``value`` (tensors, TensorDicts, dicts, lists, tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, TensorDictBase):
+        return sum(
+            tensor_bytes(leaf)
+            for leaf in value.values(include_nested=True, leaves_only=True)
+            if isinstance(leaf, torch.Tensor)
+        )
+    if isinstance(value, dict):
+        return sum(tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(item) for item in value)
+    return 0
+
+
+def controller_get(refs: Any, timeout_s: float | None = None) -> Any:
+    """``ray.get`` for the controller: the one place it materialises results, counted.
+
+    Adds the tensor bytes of what it fetched to ``fetched_tensor_bytes()``.
+    """
+    values = ray.get(refs, timeout=timeout_s)
+    _FETCHED["tensor_bytes"] += tensor_bytes(values)
+    return values
+
+
+def fetched_tensor_bytes() -> int:
+    """Tensor bytes ``controller_get`` has materialised in this process so far."""
+    return _FETCHED["tensor_bytes"]
+
+
+# -- 3D coordinates -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """A rank's place in a TP x PP x DP layout."""
+
+    dp: int
+    tp: int
+    pp: int
+
+
+def rank_coords(layout: Any, rank: int) -> RankCoords:
+    """``rank``'s coordinates under a resolved ``ParallelLayout`` (megatron-core's default order:
+    tp fastest, then dp, then pp)."""
+    if layout.dp is None:
+        raise ValueError("rank_coords: resolve() the layout against its pool first")
+    world = layout.tp * layout.pp * layout.dp
+    if not 0 <= rank < world:
+        raise IndexError(f"rank {rank} out of range for a layout of {world} ranks")
+    return RankCoords(
+        dp=(rank // layout.tp) % layout.dp, tp=rank % layout.tp, pp=rank // (layout.tp * layout.dp)
+    )
 
 
 # -- batches in the object store ------------------------------------------------------------------
@@ -71,24 +149,28 @@ class ShardedRef:
         return cls(refs=[ray.put(batch)], sizes=[_num_samples(batch)])
 
     def fetch(self) -> TensorDict:
-        """Materialise the whole batch here: for the end of a pipeline and tests, not hot paths."""
-        shards = ray.get(list(self.refs))
-        return torch.cat(list(shards), dim=0) if len(shards) > 1 else shards[0]
+        """Materialise the whole batch here (counted): for the end of a pipeline and tests."""
+        shards = controller_get(list(self.refs))
+        parts = [_slice(shard, 0, size) for shard, size in zip(shards, self.sizes)]
+        return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
 
 
 @dataclass
 class PendingShards:
     """The output of a DP_SPLIT call before its sizes are known.
 
-    ``data_refs[r]`` is rank r's output ``TensorDict``; ``meta_refs[r]`` its small meta dict
-    (with ``num_samples``). Wait on ``meta_refs``; ``result()`` fetches only the metas.
+    ``data_refs[i]`` is the i-th collected rank's output ``TensorDict``; ``meta_refs[i]`` its
+    small meta dict (with ``num_samples``, the real rows). Wait on ``meta_refs``; ``result()``
+    fetches only the metas. ``all_meta_refs`` are the metas of every rank (for the timeline; a
+    3D call collects data from some ranks only); empty means the same as ``meta_refs``.
     """
 
     data_refs: list[Any]
     meta_refs: list[Any]
+    all_meta_refs: list[Any] = field(default_factory=list)
 
     def result(self, timeout_s: float | None = None) -> tuple[ShardedRef, list[dict[str, Any]]]:
-        metas = ray.get(list(self.meta_refs), timeout=timeout_s)
+        metas = controller_get(list(self.meta_refs), timeout_s=timeout_s)
         sizes = [int(meta[NUM_SAMPLES]) for meta in metas]
         return ShardedRef(refs=list(self.data_refs), sizes=sizes), metas
 
@@ -96,19 +178,8 @@ class PendingShards:
 # -- splitting (controller side, pure) ------------------------------------------------------------
 
 
-def plan_split(
-    inputs: Sequence[ShardedRef], num_ranks: int, group_size: int
-) -> list[list[list[Piece]]]:
-    """Plan which pieces of each input every rank reads.
-
-    The global batch (each input's shards concatenated in order) is cut into ``num_ranks`` equal,
-    contiguous chunks whose size is a multiple of ``group_size``, so the samples of one prompt
-    (assumed contiguous, ``group_size`` of them) land on one rank. Returns
-    ``plan[rank][input_index] = [(ref, start, stop), ...]`` in global order.
-
-    Raises ``ValueError`` when the inputs disagree on the batch size, or when the batch is not a
-    whole number of groups per rank.
-    """
+def _check_inputs(inputs: Sequence[ShardedRef], num_ranks: int, group_size: int) -> int:
+    """The common batch size of ``inputs``; raises ValueError on what no split can fix."""
     if num_ranks < 1:
         raise ValueError(f"plan_split: num_ranks must be >= 1, got {num_ranks}")
     if group_size < 1:
@@ -125,6 +196,23 @@ def plan_split(
         raise ValueError(
             f"plan_split: batch of {total} samples is not a whole number of groups of {group_size}"
         )
+    return total
+
+
+def plan_split(
+    inputs: Sequence[ShardedRef], num_ranks: int, group_size: int
+) -> list[list[list[Piece]]]:
+    """Plan which pieces of each input every rank reads, refusing uneven batches.
+
+    The global batch (each input's shards concatenated in order) is cut into ``num_ranks`` equal,
+    contiguous chunks whose size is a multiple of ``group_size``, so the samples of one prompt
+    (assumed contiguous, ``group_size`` of them) land on one rank. Returns
+    ``plan[rank][input_index] = [(ref, start, stop), ...]`` in global order.
+
+    Raises ``ValueError`` when the inputs disagree on the batch size, or when the batch is not a
+    whole number of groups per rank (``plan_padded_split`` pads instead).
+    """
+    total = _check_inputs(inputs, num_ranks, group_size)
     num_groups = total // group_size
     if num_groups % num_ranks:
         raise ValueError(
@@ -132,11 +220,47 @@ def plan_split(
             f"split evenly across {num_ranks} ranks; make the number of prompts per batch a "
             f"multiple of {num_ranks}"
         )
-    chunk = total // num_ranks
-    return [
-        [_pieces(sharded, rank * chunk, (rank + 1) * chunk) for sharded in inputs]
-        for rank in range(num_ranks)
-    ]
+    return [share.pieces for share in plan_padded_split(inputs, num_ranks, group_size)]
+
+
+@dataclass(frozen=True)
+class DpShare:
+    """One DP rank's part of a split: ``pieces[input_index]`` (real rows, then padding rows) and
+    how many of its rows are real."""
+
+    pieces: list[list[Piece]]
+    num_valid: int
+
+
+def plan_padded_split(
+    inputs: Sequence[ShardedRef], num_ranks: int, group_size: int
+) -> list[DpShare]:
+    """Like ``plan_split``, but an uneven batch is padded instead of refused.
+
+    The ``G`` groups go out contiguously, ``G // num_ranks`` per rank and one more to the first
+    ``G % num_ranks`` ranks; every rank short of ``ceil(G / num_ranks)`` groups gets a copy of
+    one real group appended (its own first group, or the batch's first when it has none). Each
+    rank's ``num_valid`` counts only its real rows.
+    """
+    total = _check_inputs(inputs, num_ranks, group_size)
+    num_groups = total // group_size
+    base, extra = divmod(num_groups, num_ranks)
+    per_rank_groups = base + (1 if extra else 0)
+    shares = []
+    first_group = 0
+    for rank in range(num_ranks):
+        own = base + (1 if rank < extra else 0)
+        lo, hi = first_group * group_size, (first_group + own) * group_size
+        pad_from = lo if own else 0
+        pieces = []
+        for sharded in inputs:
+            rank_pieces = _pieces(sharded, lo, hi) if own else []
+            for _ in range(per_rank_groups - own):
+                rank_pieces += _pieces(sharded, pad_from, pad_from + group_size)
+            pieces.append(rank_pieces)
+        shares.append(DpShare(pieces=pieces, num_valid=hi - lo))
+        first_group += own
+    return shares
 
 
 def _pieces(sharded: ShardedRef, lo: int, hi: int) -> list[Piece]:
@@ -220,8 +344,12 @@ def _args_passthrough(payload: Any) -> tuple:
     return tuple(payload)
 
 
-def _result_passthrough(method_name: str, result: Any) -> Any:
+def _result_passthrough(method_name: str, result: Any, payload: Any) -> Any:
     return result
+
+
+def _all_ranks(num_ranks: int, kwargs: dict) -> list[int]:
+    return list(range(num_ranks))
 
 
 @dataclass(frozen=True)
@@ -230,18 +358,21 @@ class Protocol:
 
     Controller side:
       ``split(num_ranks, args, kwargs) -> [(payload, kwargs), ...]``, one entry per rank;
-      ``collect(per_rank_returns) -> result``; an entry is one ObjectRef, or a list of
+      ``select(num_ranks, call_kwargs) -> [rank, ...]``: whose returns are collected (default
+      all, in rank order);
+      ``collect(returns_of_selected_ranks) -> result``; an entry is one ObjectRef, or a list of
       ``num_returns`` refs when ``num_returns > 1``.
     Worker side (inside ``Worker.execute``):
       ``unpack(payload) -> positional args`` of the method;
-      ``pack(method_name, result) -> return value`` (a ``num_returns``-tuple when > 1).
+      ``pack(method_name, result, payload) -> return value`` (a ``num_returns``-tuple when > 1).
     """
 
     split: Callable[[int, tuple, dict], list[tuple[Any, dict]]]
     collect: Callable[[list[Any]], Any]
     num_returns: int = 1
     unpack: Callable[[Any], tuple] = _args_passthrough
-    pack: Callable[[str, Any], Any] = _result_passthrough
+    pack: Callable[[str, Any, Any], Any] = _result_passthrough
+    select: Callable[[int, dict], list[int]] = _all_ranks
 
 
 _PROTOCOLS: dict[str, Protocol] = {}
@@ -330,28 +461,45 @@ def _one_to_all_split(num_ranks: int, args: tuple, kwargs: dict) -> list[tuple[A
     return [(args, kwargs)] * num_ranks
 
 
-def _dp_split(num_ranks: int, args: tuple, kwargs: dict) -> list[tuple[Any, dict]]:
+def _all_to_all_split(num_ranks: int, args: tuple, kwargs: dict) -> list[tuple[Any, dict]]:
+    for where, value in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
+        if not isinstance(value, (list, tuple)) or len(value) != num_ranks:
+            raise TypeError(
+                f"an ALL_TO_ALL call takes one item per rank in every argument; {where} is not a "
+                f"list of {num_ranks}"
+            )
+    return [
+        (tuple(a[rank] for a in args), {k: v[rank] for k, v in kwargs.items()})
+        for rank in range(num_ranks)
+    ]
+
+
+def _dp_inputs(kind: str, args: tuple, kwargs: dict) -> tuple[list[ShardedRef], int, dict]:
     if len(args) != 1:
         raise TypeError(
-            "a DP_SPLIT call takes one positional argument, the list of input ShardedRefs, "
+            f"a {kind} call takes one positional argument, the list of input ShardedRefs, "
             f"got {len(args)}; pass other options as keywords"
         )
     inputs = [args[0]] if isinstance(args[0], ShardedRef) else list(args[0])
     if not all(isinstance(sharded, ShardedRef) for sharded in inputs):
-        raise TypeError("a DP_SPLIT call's inputs must be ShardedRefs")
+        raise TypeError(f"a {kind} call's inputs must be ShardedRefs")
     kwargs = dict(kwargs)
     if "group_size" not in kwargs:
-        raise TypeError("a DP_SPLIT call needs group_size= (samples per prompt that stay together)")
+        raise TypeError(f"a {kind} call needs group_size= (samples per prompt that stay together)")
     group_size = kwargs.pop("group_size")
-    plan = plan_split(inputs, num_ranks, group_size)
-    return [(pieces_per_input, kwargs) for pieces_per_input in plan]
+    return inputs, group_size, kwargs
 
 
-def _dp_unpack(pieces_per_input: Any) -> tuple:
-    return (resolve(pieces_per_input),)
+def _dp_split(num_ranks: int, args: tuple, kwargs: dict) -> list[tuple[Any, dict]]:
+    inputs, group_size, kwargs = _dp_inputs("DP_SPLIT", args, kwargs)
+    return [(share, kwargs) for share in plan_padded_split(inputs, num_ranks, group_size)]
 
 
-def _dp_pack(method_name: str, result: Any) -> tuple[TensorDictBase, dict]:
+def _dp_unpack(share: DpShare) -> tuple:
+    return (resolve(share.pieces),)
+
+
+def _dp_pack(method_name: str, result: Any, share: DpShare) -> tuple[TensorDictBase, dict]:
     if not (
         isinstance(result, tuple)
         and len(result) == 2
@@ -363,7 +511,16 @@ def _dp_pack(method_name: str, result: Any) -> tuple[TensorDictBase, dict]:
             f"got {type(result).__name__}"
         )
     batch, meta = result
-    return batch, {**meta, NUM_SAMPLES: _num_samples(batch)}
+    rows_in = sum(stop - start for _, start, stop in share.pieces[0])
+    rows_out = _num_samples(batch)
+    if rows_out % rows_in:
+        raise ValueError(
+            f"DP method {method_name!r} returned {rows_out} rows for {rows_in} input rows; the "
+            "output must be a whole multiple of the input (padding is removed by that ratio)"
+        )
+    # Padding rows are last in the input, so their outputs are last too (also after an n-fold
+    # expansion like generate's, which keeps each prompt's samples together).
+    return batch, {**meta, NUM_SAMPLES: share.num_valid * (rows_out // rows_in)}
 
 
 def _dp_collect(per_rank: list[Any]) -> PendingShards:
@@ -372,27 +529,81 @@ def _dp_collect(per_rank: list[Any]) -> PendingShards:
     )
 
 
+def _layout_of(kind: str, num_ranks: int, kwargs: dict) -> Any:
+    layout = kwargs.get("layout")
+    if layout is None or getattr(layout, "dp", None) is None:
+        raise TypeError(f"a {kind} call needs layout= (the model's resolved ParallelLayout)")
+    world = layout.tp * layout.pp * layout.dp
+    if world != num_ranks:
+        raise ValueError(
+            f"{kind}: layout tp={layout.tp} pp={layout.pp} dp={layout.dp} has {world} ranks, the "
+            f"worker group has {num_ranks}"
+        )
+    return layout
+
+
+def _3d_split(num_ranks: int, args: tuple, kwargs: dict) -> list[tuple[Any, dict]]:
+    inputs, group_size, kwargs = _dp_inputs("DP_3D", args, kwargs)
+    layout = _layout_of("DP_3D", num_ranks, kwargs)
+    kwargs.pop("layout")
+    shares = plan_padded_split(inputs, layout.dp, group_size)
+    out = []
+    for rank in range(num_ranks):
+        coords = rank_coords(layout, rank)
+        out.append((shares[coords.dp], {**kwargs, "coords": coords}))
+    return out
+
+
+def _3d_select(num_ranks: int, kwargs: dict) -> list[int]:
+    layout = _layout_of("DP_3D", num_ranks, kwargs)
+    ranks = []
+    for rank in range(num_ranks):
+        coords = rank_coords(layout, rank)
+        if coords.tp == 0 and coords.pp == layout.pp - 1:
+            ranks.append(rank)
+    return sorted(ranks, key=lambda r: rank_coords(layout, r).dp)  # DP order = sample order
+
+
 register_protocol(Dispatch.ONE_TO_ALL.value, Protocol(split=_one_to_all_split, collect=list))
+register_protocol(Dispatch.ALL_TO_ALL.value, Protocol(split=_all_to_all_split, collect=list))
 register_protocol(
     Dispatch.DP_SPLIT.value,
     Protocol(
         split=_dp_split, collect=_dp_collect, num_returns=2, unpack=_dp_unpack, pack=_dp_pack
     ),
 )
+register_protocol(
+    Dispatch.DP_3D.value,
+    Protocol(
+        split=_3d_split,
+        collect=_dp_collect,
+        num_returns=2,
+        unpack=_dp_unpack,
+        pack=_dp_pack,
+        select=_3d_select,
+    ),
+)
 
 __all__ = [
     "NUM_SAMPLES",
     "Dispatch",
+    "DpShare",
     "PendingShards",
     "Piece",
     "Protocol",
+    "RankCoords",
     "ShardedRef",
+    "controller_get",
     "dispatch_table",
+    "fetched_tensor_bytes",
     "get_protocol",
     "merge_fields",
+    "plan_padded_split",
     "plan_split",
+    "rank_coords",
     "protocol_names",
     "register",
     "register_protocol",
     "resolve",
+    "tensor_bytes",
 ]

@@ -1,0 +1,201 @@
+"""Two Ray nodes on this machine: a head and a second node process on loopback.
+
+The cluster is this module's own: both nodes are ``ray start --block`` processes in their own
+sessions and temp dir, and the driver is a subprocess, so nothing meets the session-scoped
+``ray_session`` fixture. Teardown kills exactly those process groups, also on failure; not
+``ray stop``, which would stop every Ray process of the user on the machine (other test runs
+included).
+
+The driver (this file run as a script) places a graph's two pools on different nodes through
+node labels (``resource_pools/two_node_cpu.yaml``), runs two iterations and reports which node
+each rank ran on; then it spreads one pool over both nodes (``nodes: 2``) and all-reduces over
+gloo across them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LABEL = "hybridflow-node"
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ray_start(temp_dir: str, log: Path, *args: str) -> subprocess.Popen:
+    ray_bin = Path(sys.executable).parent / "ray"
+    ports = [
+        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--runtime-env-agent-port={_free_port()}",
+        f"--metrics-export-port={_free_port()}",
+    ]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.Popen(
+        [str(ray_bin), "start", "--block", "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}",
+         *ports, *args],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            continue
+    try:  # raylets and workers left in the group
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("ray_logs")
+    temp_dir = tempfile.mkdtemp(prefix="hf_mn_", dir="/tmp")  # short: socket paths are limited
+    port = _free_port()
+    procs = [
+        _ray_start(temp_dir, logs / "head.log", "--head", f"--port={port}", "--num-cpus=3",
+                   "--include-dashboard=false", f"--ray-client-server-port={_free_port()}",
+                   f"--labels={LABEL}=head"),
+    ]
+    try:
+        address = f"127.0.0.1:{port}"
+        _wait_for(address, 1, procs, logs)
+        procs.append(
+            _ray_start(temp_dir, logs / "second.log", f"--address={address}", "--num-cpus=2",
+                       f"--labels={LABEL}=second")
+        )
+        _wait_for(address, 2, procs, logs)
+        yield address
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _wait_for(address: str, num_nodes: int, procs, logs: Path, timeout_s: float = 240) -> None:
+    script = (
+        "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+        "print(sum(n['Alive'] for n in ray.nodes()))"
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                text = "\n".join(p.read_text()[-2000:] for p in logs.glob("*.log"))
+                raise RuntimeError(f"ray start exited with {proc.returncode}:\n{text}")
+        out = subprocess.run([sys.executable, "-c", script, address], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(num_nodes)]:
+            return
+        time.sleep(2)
+    raise TimeoutError(f"the cluster at {address} did not reach {num_nodes} nodes")
+
+
+def test_pools_on_different_nodes(two_nodes, tmp_path):
+    out = subprocess.run(
+        [sys.executable, __file__, two_nodes, str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    labels = report["labels"]  # node id -> its label
+    assert sorted(labels.values()) == ["head", "second"]
+    assert {labels[n] for n in report["ranks"]["actor"]} == {"head"}
+    assert {labels[n] for n in report["ranks"]["aux"]} == {"second"}
+    assert len(report["ranks"]["actor"]) == 2 and len(report["ranks"]["aux"]) == 1
+    assert report["iterations"] == 2 and report["fetched_tensor_bytes"] == 0.0
+    # A pool of nodes: 2 puts one rank on each node, and gloo all-reduces across them.
+    assert sorted(labels[n] for n in report["spanning"]["nodes"]) == ["head", "second"]
+    assert report["spanning"]["sums"] == [3.0, 3.0]
+
+
+# -- the driver ------------------------------------------------------------------------------------
+
+
+def _driver(address: str, run_dir: str) -> None:
+    import ray
+    import torch
+    import torch.distributed as dist
+
+    from hybridflow.controller.trainer import Trainer
+    from hybridflow.graph.dag import load_graph
+    from hybridflow.placement.pools import ResourcePool
+    from hybridflow.spec.pool import PoolSpec
+    from hybridflow.workers.base import Worker
+    from hybridflow.workers.group import WorkerGroup
+    from hybridflow.workers.protocols import Dispatch, register
+
+    ray.init(address=address, log_to_driver=False)
+    labels = {n["NodeID"]: n["Labels"].get(LABEL) for n in ray.nodes() if n["Alive"]}
+    graph = load_graph(
+        ROOT / "graphs/grpo.yaml",
+        ["placement.actor=actor", "placement.ref=aux", "placement.reward=aux",
+         "trainer.iterations=2", "trainer.val_interval=0", "trainer.save_final=false",
+         "trainer.progress=false", "models.actor.rollout.n=4", "data.prompts_per_iteration=4"],
+        pools_file=ROOT / "resource_pools/two_node_cpu.yaml",
+    )
+    trainer = Trainer(graph, address=address, run_dir=run_dir)
+    ranks: dict[str, list[str]] = {}
+
+    def record_nodes(trainer, iteration, metrics):
+        for name, group in trainer.groups.items():
+            ranks[name] = ray.get(
+                [w.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
+                 for w in group.workers]
+            )
+
+    trainer.callbacks.append(record_nodes)
+    trainer.fit()
+
+    class SumWorker(Worker):
+        @register(Dispatch.ONE_TO_ALL)
+        def where_and_sum(self):
+            value = torch.tensor([self.rank + 1.0])
+            dist.all_reduce(value)
+            return ray.get_runtime_context().get_node_id(), float(value)
+
+    pool = ResourcePool("spanning", PoolSpec(nodes=2, devices_per_node=1))
+    group = WorkerGroup(SumWorker, pool, {}, name="spanning")
+    results = ray.get(group.where_and_sum())
+    assert [pool.node_of(rank) for rank in range(2)] == [node for node, _ in results]
+    group.shutdown()
+    pool.remove()
+    print(json.dumps({
+        "labels": labels,
+        "ranks": ranks,
+        "iterations": len(trainer.history),
+        "fetched_tensor_bytes": sum(m["controller/fetched_tensor_bytes"] for m in trainer.history),
+        "spanning": {"nodes": [node for node, _ in results], "sums": [s for _, s in results]},
+    }))
+
+
+if __name__ == "__main__":
+    _driver(sys.argv[1], sys.argv[2])
