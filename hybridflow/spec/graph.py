@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hybridflow.spec.layout import ParallelLayout
 
@@ -33,13 +33,49 @@ class ModelSource(Spec):
     rule: str | None = Field(
         None, description="'module:function' rule scorer (reward/cost models only)."
     )
+    remote: "RemoteRewardSpec | None" = Field(
+        None,
+        description="Reward from remote reward servers and/or rules, aggregated (reward/cost "
+        "models only).",
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "ModelSource":
-        given = [k for k in ("config", "path", "rule") if getattr(self, k) is not None]
+        given = [k for k in ("config", "path", "rule", "remote") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of config, path, rule (got {given or 'none'})")
+            raise ValueError(f"give exactly one of config, path, rule, remote (got {given or 'none'})")
         return self
+
+
+class RewardComponent(Spec):
+    """One reward source of a remote reward model: a server URL or a local rule."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_]+$", description="Metric/batch name of this component.")
+    url: str | None = Field(
+        None, pattern=r"^https?://", description="Base URL of a `hybridflow serve-reward` server."
+    )
+    rule: str | None = Field(None, description="'module:function' rule scored in the worker.")
+    weight: float = Field(1.0, description="Weight in aggregate 'weighted_sum'.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "RewardComponent":
+        if (self.url is None) == (self.rule is None):
+            raise ValueError("give exactly one of url, rule")
+        return self
+
+
+class RemoteRewardSpec(Spec):
+    """Several reward sources called per batch and aggregated into one score per sample."""
+
+    components: list[RewardComponent] = Field(min_length=1, description="The reward sources.")
+    aggregate: Literal["weighted_sum", "mean", "min", "max"] = Field(
+        "weighted_sum", description="How component scores combine into `scores`."
+    )
+    timeout_s: float = Field(10.0, gt=0, description="Per HTTP request.")
+    retries: int = Field(2, ge=0, description="Extra attempts after a failed request.")
+    backoff_s: float = Field(0.2, ge=0, description="Wait before retry k is backoff_s * 2**k.")
+    max_request_bytes: int = Field(1 << 20, ge=1, description="Largest JSON request body sent.")
+    max_response_bytes: int = Field(1 << 20, ge=1, description="Largest JSON response accepted.")
 
 
 class OptimSpec(Spec):
@@ -99,8 +135,9 @@ class ModelSpec(Spec):
     def _role_fits(self) -> "ModelSpec":
         if self.rollout is not None and self.role != "actor":
             raise ValueError(f"only an actor has rollout settings (role is {self.role})")
-        if self.source.rule is not None and self.role not in ("reward", "cost"):
-            raise ValueError(f"a rule source is for reward/cost models (role is {self.role})")
+        scorer = self.source.rule is not None or self.source.remote is not None
+        if scorer and self.role not in ("reward", "cost"):
+            raise ValueError(f"a rule/remote source is for reward/cost models (role is {self.role})")
         return self
 
 
@@ -137,15 +174,66 @@ class ValuesNode(NodeBase):
     options: NoOptions = Field(default_factory=NoOptions)
 
 
+class ScoreOptions(Spec):
+    """What a rule or remote reward that raises, hangs or answers garbage does to the run."""
+
+    on_error: Literal["fail", "default"] = Field(
+        "fail", description="'fail' stops the run; 'default' gives the sample default_reward "
+        "and counts it (reward/num_errors)."
+    )
+    default_reward: float = Field(0.0, description="Score of a sample whose scoring failed.")
+    timeout_s: float | None = Field(
+        None, gt=0, description="Time limit of one rule call (per sample); null = none."
+    )
+
+
 class ScoreNode(NodeBase):
     op: Literal["score"]
-    options: NoOptions = Field(default_factory=NoOptions)
+    options: ScoreOptions = Field(default_factory=ScoreOptions)
+
+
+def _registered(registry_name: str, name: str) -> str:
+    """Fail at load time, with the known names, on an unregistered algorithm name."""
+    import hybridflow.algos as algos
+
+    registry = getattr(algos, registry_name)
+    if name not in registry:
+        raise ValueError(f"unknown {registry.kind} {name!r}; known: {', '.join(registry.names())}")
+    return name
 
 
 class AdvantageOptions(Spec):
-    estimator: str = Field("grpo", description="Registered advantage estimator name.")
+    """How advantages (and value targets) are computed; which fields feed the estimator comes
+    from the node's keys: a score key (``scores`` / ``costs``), optionally a values key
+    (``values`` / ``cost_values``), ``baseline_scores`` (ReMax), and ``old_log_probs`` +
+    ``ref_log_probs`` when ``kl_coef`` puts a KL penalty into the token rewards."""
+
+    estimator: str = Field(
+        "grpo",
+        description="Registered advantage estimator: grpo, rloo, remax, gae, reinforce_plus_plus, "
+        "reinforce_plus_plus_baseline.",
+    )
     norm_by_std: bool = Field(True, description="GRPO: divide by the group's std (False = Dr.GRPO).")
     epsilon: float = Field(1e-6, gt=0, description="Added to the std before dividing.")
+    scope: Literal["group", "batch"] = Field(
+        "group", description="GRPO: statistics per prompt group or over the whole batch."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount (gae, reinforce_plus_plus*).")
+    gae_lambda: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    whiten: bool = Field(False, description="GAE: whiten the advantages over the batch.")
+    kl_coef: float = Field(
+        0.0, ge=0, description="KL-in-reward: token reward -= coef * KL(actor || ref); 0 = off."
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL-in-reward estimator.")
+    kl_target: float | None = Field(
+        None, gt=0, description="Adaptive KL controller target; null = fixed kl_coef."
+    )
+    kl_horizon: float = Field(10000.0, gt=0, description="Adaptive KL controller horizon (samples).")
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, name: str) -> str:
+        return _registered("ADV_ESTIMATORS", name)
 
 
 class AdvantageNode(NodeBase):
@@ -159,9 +247,50 @@ class UpdateOptions(Spec):
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL(actor || ref) loss term.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
     entropy_coef: float = Field(0.0, description="Entropy bonus weight (subtracted from loss).")
-    loss_agg: str = Field("token-mean", description="Registered loss aggregation mode.")
-    mini_batches: int = Field(1, ge=1, description="Optimizer steps per rollout batch (per epoch).")
+    loss_agg: str = Field(
+        "token-mean",
+        description="Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, "
+        "seq-mean-token-sum-norm.",
+    )
+    mini_batches: int = Field(
+        1,
+        ge=1,
+        description="Disjoint mini-batches the rollout batch (prompts_per_iteration x n samples) "
+        "is split into, one optimizer step each; a mini-batch is cut into micro_batch_size "
+        "forward/backward passes per rank.",
+    )
     epochs: int = Field(1, ge=1, description="Passes over the rollout batch.")
+    clip_ratio_low: float | None = Field(None, gt=0, description="Lower clip epsilon; null = clip_ratio.")
+    clip_ratio_high: float | None = Field(None, gt=0, description="Upper clip epsilon; null = clip_ratio.")
+    clip_ratio_c: float | None = Field(
+        None, gt=1, description="Dual-clip bound for negative advantages; null = off."
+    )
+    value_clip: float | None = Field(
+        0.2, gt=0, description="Critic update: value clip range; null = unclipped value loss."
+    )
+    safety: "SafetyOptions | None" = Field(
+        None, description="Safe-RLHF (actor update): Lagrangian over the cost advantages."
+    )
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_policy_loss(cls, name: str) -> str:
+        return _registered("POLICY_LOSSES", name)
+
+    @field_validator("loss_agg")
+    @classmethod
+    def _known_loss_agg(cls, name: str) -> str:
+        return _registered("LOSS_AGGS", name)
+
+
+class SafetyOptions(Spec):
+    """The Lagrange multiplier of Safe-RLHF; the actor update then needs ``costs`` and
+    ``cost_advantages`` among its inputs and uses ``(A - lambda * A_cost) / (1 + lambda)``."""
+
+    cost_threshold: float = Field(description="Budget d of the constraint mean episode cost <= d.")
+    lambda_init: float = Field(1.0, ge=0, description="Starting multiplier.")
+    lambda_lr: float = Field(0.1, gt=0, description="Ascent step: lambda += lr * (cost - d).")
+    lambda_max: float | None = Field(None, gt=0, description="Upper bound; null = none.")
 
 
 class UpdateNode(NodeBase):
@@ -196,12 +325,41 @@ class DataSpec(Spec):
 
 
 class TrainerSpec(Spec):
+    """Length of the run, seeds, validation, logging and what is saved."""
+
     iterations: int = Field(60, ge=1, description="Iterations (rollout + update) to run.")
     seed: int = Field(0, description="Seed of model init and sampling.")
     val_interval: int = Field(10, ge=0, description="Validate every N iterations; 0 = never.")
     save_dir: str = Field("runs/{name}", description="Run directory ({name} = graph name).")
     save_final: bool = Field(True, description="Save the final actor in HF format.")
     progress: bool = Field(True, description="Show a progress bar.")
+    loggers: list[Literal["console", "tensorboard"]] = Field(
+        ["console"],
+        description="Metric sinks besides RUN_DIR/metrics.jsonl, which is always written: "
+        "'console' prints the key metrics every log_interval iterations; 'tensorboard' writes "
+        "event files to RUN_DIR/tensorboard (needs `pip install tensorboard`).",
+    )
+    log_interval: int = Field(10, ge=1, description="Console logger: a line every N iterations.")
+    sample_interval: int = Field(
+        10,
+        ge=0,
+        description="Every N iterations (and the last) append a few decoded generations (prompt, "
+        "response, reward) to RUN_DIR/samples.jsonl; 0 = never.",
+    )
+    num_logged_samples: int = Field(
+        4, ge=1, description="Generations written per sampled iteration."
+    )
+    save_interval: int = Field(
+        50, ge=0, description="Checkpoint every N iterations (and at the last); 0 = never."
+    )
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
+    max_restarts: int = Field(
+        3, ge=0, description="Worker-failure recoveries (restart + resume) before giving up."
+    )
+    nan_tolerance: int = Field(
+        3, ge=1, description="Stop after this many iterations in a row whose update was skipped "
+        "for a non-finite loss or gradient."
+    )
 
 
 class GraphSpec(Spec):
@@ -219,3 +377,7 @@ class GraphSpec(Spec):
     nodes: list[NodeSpec] = Field(description="Operations; edges are derived from data keys.")
     data: DataSpec = Field(default_factory=DataSpec)
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+
+
+ModelSource.model_rebuild()
+UpdateOptions.model_rebuild()

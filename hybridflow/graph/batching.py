@@ -1,0 +1,120 @@
+"""Batch sizes: the four settings a user chooses, the totals they imply, and their divisibility.
+
+The settings (and nothing else) decide every batch size of an iteration:
+
+- prompts per iteration  ``data.prompts_per_iteration``            P
+- samples per prompt     ``models.<actor>.rollout.n``               n
+- mini-batches per update ``nodes[<update>].options.mini_batches``  M  (optimizer steps per epoch)
+- micro-batch per device ``models.<model>.train.micro_batch_size``  m  (samples per forward/backward)
+
+Derived, for a model trained on ``dp`` data-parallel ranks: ``P * n`` samples per iteration,
+``P * n / dp`` per rank, ``P * n / M`` per optimizer step (``P * n / (M * dp)`` per rank, run as
+``ceil(that / m)`` micro-batches of gradient accumulation), ``M * epochs`` optimizer steps per
+iteration. Validation rejects settings that do not divide: the prompts of an iteration must split
+evenly over every model's DP ranks (all samples of a prompt stay on one rank), and each rank's
+samples over the mini-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hybridflow.spec.graph import GraphSpec
+from hybridflow.spec.layout import ParallelLayout
+from hybridflow.spec.loading import SpecError
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    node: str
+    model: str
+    dp: int
+    mini_batches: int
+    epochs: int
+    micro_batch_size: int
+    samples_per_rank: int
+    samples_per_step: int  # one mini-batch over all ranks
+    samples_per_rank_step: int
+    micro_batches_per_step: int  # gradient-accumulation steps on one rank
+
+    @property
+    def steps_per_iteration(self) -> int:
+        return self.mini_batches * self.epochs
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    prompts_per_iteration: int
+    samples_per_prompt: int
+    updates: tuple[UpdatePlan, ...]
+
+    @property
+    def samples_per_iteration(self) -> int:
+        return self.prompts_per_iteration * self.samples_per_prompt
+
+    def describe(self) -> str:
+        """The plan in a few lines, printed at the start of a run."""
+        lines = [
+            f"batch: {self.prompts_per_iteration} prompts/iteration (data.prompts_per_iteration) x "
+            f"{self.samples_per_prompt} samples/prompt (rollout.n) = {self.samples_per_iteration} samples/iteration"
+        ]
+        for u in self.updates:
+            lines.append(
+                f"  {u.node} ({u.model}, dp={u.dp}): {u.samples_per_rank} samples/rank; "
+                f"{u.mini_batches} mini-batches x {u.epochs} epochs = {u.steps_per_iteration} optimizer "
+                f"steps/iteration of {u.samples_per_step} samples ({u.samples_per_rank_step}/rank = "
+                f"{u.micro_batches_per_step} micro-batches of <= {u.micro_batch_size})"
+            )
+        return "\n".join(lines)
+
+
+def _actor(spec: GraphSpec) -> str:
+    return next(name for name, m in spec.models.items() if m.role == "actor")
+
+
+def batch_plan(spec: GraphSpec, layouts: dict[str, ParallelLayout], file: str) -> BatchPlan:
+    """Derive the batch plan and check it divides; ``SpecError`` naming the field otherwise."""
+    prompts = spec.data.prompts_per_iteration
+    rollout = spec.models[_actor(spec)].rollout
+    n = rollout.n if rollout is not None else 1
+    for model in dict.fromkeys(node.model for node in spec.nodes):
+        dp = layouts[model].dp
+        if prompts % dp:
+            raise SpecError(
+                file,
+                "data.prompts_per_iteration",
+                f"{prompts} prompts do not split evenly over the {dp} data-parallel ranks of model "
+                f"{model!r}; use a multiple of {dp}",
+            )
+    updates = []
+    for i, node in enumerate(spec.nodes):
+        if node.op != "update":
+            continue
+        dp = layouts[node.model].dp
+        per_rank = prompts * n // dp
+        mini_batches = node.options.mini_batches
+        if per_rank % mini_batches:
+            raise SpecError(
+                file,
+                f"nodes[{i}].options.mini_batches",
+                f"node {node.name!r}: {mini_batches} mini-batches do not divide the {per_rank} samples per rank "
+                f"({prompts} prompts x {n} samples / {dp} ranks)",
+            )
+        micro = spec.models[node.model].train.micro_batch_size
+        per_rank_step = per_rank // mini_batches
+        updates.append(
+            UpdatePlan(
+                node=node.name,
+                model=node.model,
+                dp=dp,
+                mini_batches=mini_batches,
+                epochs=node.options.epochs,
+                micro_batch_size=micro,
+                samples_per_rank=per_rank,
+                samples_per_step=per_rank_step * dp,
+                samples_per_rank_step=per_rank_step,
+                micro_batches_per_step=math.ceil(per_rank_step / micro),
+            )
+        )
+    return BatchPlan(prompts, n, tuple(updates))

@@ -1,0 +1,170 @@
+"""CLI entry points that need no Ray: schema, docs, plot, graph (with the batch plan)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from hybridflow.cli.main import main
+from hybridflow.graph.batching import batch_plan
+from hybridflow.graph.dag import load_graph
+from hybridflow.spec.loading import SpecError
+
+ROOT = Path(__file__).resolve().parent.parent
+GRAPH_FILES = sorted((ROOT / "graphs").glob("*.yaml"))
+POOL_FILES = sorted((ROOT / "resource_pools").glob("*.yaml"))
+
+
+def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli.main", *args], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
+
+
+@pytest.fixture(scope="module")
+def schemas(tmp_path_factory) -> dict[str, dict]:
+    """The schemas as `hybridflow schema --out-dir DIR` writes them (the real entry point)."""
+    out = tmp_path_factory.mktemp("schema")
+    done = _cli("schema", "--out-dir", str(out))
+    assert done.returncode == 0, done.stderr
+    return {kind: json.loads((out / f"{kind}.schema.json").read_text()) for kind in ("graph", "pool")}
+
+
+@pytest.mark.parametrize("path", GRAPH_FILES, ids=lambda p: p.name)
+def test_schema_validates_shipped_graph_files(schemas, path):
+    jsonschema.Draft202012Validator.check_schema(schemas["graph"])
+    errors = list(jsonschema.Draft202012Validator(schemas["graph"]).iter_errors(yaml.safe_load(path.read_text())))
+    assert not errors, [e.message for e in errors]
+
+
+@pytest.mark.parametrize("path", POOL_FILES, ids=lambda p: p.name)
+def test_schema_validates_shipped_pool_files(schemas, path):
+    errors = list(jsonschema.Draft202012Validator(schemas["pool"]).iter_errors(yaml.safe_load(path.read_text())))
+    assert not errors, [e.message for e in errors]
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda g: g["trainer"].update(iterationz=3),  # unknown field
+        lambda g: g["nodes"][0].update(op="fly"),  # unknown op
+        lambda g: g["data"].update(prompts_per_iteration=0),  # below the bound
+        lambda g: g["models"]["actor"].update(role="teacher"),  # not a role
+        lambda g: g.pop("nodes"),  # required field
+    ],
+    ids=["unknown-field", "unknown-op", "bound", "enum", "required"],
+)
+def test_schema_rejects_what_the_loader_rejects(schemas, mutate):
+    graph = copy.deepcopy(yaml.safe_load((ROOT / "graphs" / "grpo.yaml").read_text()))
+    mutate(graph)
+    assert list(jsonschema.Draft202012Validator(schemas["graph"]).iter_errors(graph))
+
+
+def test_schema_kind_prints_one_schema(capsys):
+    assert main(["schema", "pool"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["title"] == "hybridflow pool file" and "pools" in schema["properties"]
+
+
+def test_docs_check_reports_stale(tmp_path, capsys):
+    assert main(["docs", "--out-dir", str(tmp_path)]) == 0
+    assert main(["docs", "--check", "--out-dir", str(tmp_path)]) == 0
+    (tmp_path / "graph-file.md").write_text("old\n")
+    assert main(["docs", "--check", "--out-dir", str(tmp_path)]) == 1
+    assert "graph-file.md" in capsys.readouterr().err
+
+
+def _fake_run(run_dir: Path, rewards: list[float]) -> Path:
+    """A metrics.jsonl in the format the trainer writes (for plot input only)."""
+    run_dir.mkdir(parents=True)
+    rows = []
+    for i, reward in enumerate(rewards, start=1):
+        row = {"iteration": i, "reward/mean": reward, "actor/kl": 0.01 * i, "actor/entropy": 2.0 - 0.1 * i,
+               "response_length/mean": 5.0, "timing/generate": 0.2, "timing/update_actor": 0.3,
+               "timing/iteration": 0.6}
+        if i % 2 == 0:
+            row["val/reward/mean"] = reward
+        rows.append(json.dumps(row))
+    (run_dir / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    return run_dir
+
+
+def test_plot_one_and_several_runs(tmp_path):
+    a = _fake_run(tmp_path / "a", [0.1, 0.2, 0.4, 0.5])
+    b = _fake_run(tmp_path / "b", [0.1, 0.15, 0.2, 0.3])
+    done = _cli("plot", str(a))
+    assert done.returncode == 0, done.stderr
+    png = a / "plot.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    out = tmp_path / "cmp" / "compare.png"
+    assert main(["plot", str(a), str(b), "--out", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_draws_the_metrics(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from hybridflow.cli import plot
+
+    run = _fake_run(tmp_path / "r", [0.1, 0.3, 0.5])
+    drawn = {}
+    original = plt.Figure.savefig
+
+    def capture(fig, *args, **kwargs):
+        drawn.update({ax.get_title(): [list(line.get_ydata()) for line in ax.lines] for ax in fig.axes})
+        return original(fig, *args, **kwargs)
+
+    plt.Figure.savefig = capture
+    try:
+        plot.plot_runs([run], tmp_path / "p.png")
+    finally:
+        plt.Figure.savefig = original
+    assert drawn["reward"] == [[0.1, 0.3, 0.5], [0.3]]  # train, then val (iteration 2 only)
+    assert drawn["KL(actor || ref)"] == [[0.01, 0.02, 0.03]]
+    assert len(drawn["time per node (s)"]) == 2  # generate and update_actor, not the iteration
+
+
+def test_plot_not_a_run_dir_is_one_line(tmp_path):
+    done = _cli("plot", str(tmp_path))
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "metrics.jsonl" in done.stderr
+
+
+def test_graph_prints_batch_plan():
+    done = _cli("graph", "graphs/grpo.yaml", "data.prompts_per_iteration=8", "models.actor.rollout.n=4")
+    assert done.returncode == 0, done.stderr
+    assert "8 prompts/iteration" in done.stdout and "= 32 samples/iteration" in done.stdout
+    assert "16 samples/rank" in done.stdout
+
+
+def test_batch_plan_totals():
+    graph = load_graph(ROOT / "graphs" / "grpo.yaml", [
+        "data.prompts_per_iteration=8", "models.actor.rollout.n=4",
+        "nodes.update_actor.options.mini_batches=2", "models.actor.train.micro_batch_size=3",
+    ])
+    plan = batch_plan(graph.spec, graph.layouts, graph.file)
+    assert plan.samples_per_iteration == 32
+    (update,) = plan.updates
+    assert (update.dp, update.samples_per_rank, update.samples_per_step) == (2, 16, 16)
+    assert (update.samples_per_rank_step, update.micro_batches_per_step, update.steps_per_iteration) == (8, 3, 2)
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("data.prompts_per_iteration=3", "data.prompts_per_iteration"),
+        ("nodes.update_actor.options.mini_batches=3", "nodes[5].options.mini_batches"),
+    ],
+)
+def test_batch_sizes_that_do_not_divide_are_one_line(override, field):
+    with pytest.raises(SpecError) as info:
+        load_graph(ROOT / "graphs" / "grpo.yaml", [override])
+    assert info.value.field == field
+    assert "\n" not in str(info.value) and "grpo.yaml" in str(info.value)

@@ -1,0 +1,212 @@
+"""The docs cannot drift: generated references match the spec models, and every command and code
+block in README.md and docs/*.md runs.
+
+Fenced blocks by language:
+
+- ``bash``: every command line runs in a scratch directory that links the repository's graphs,
+  pools, examples and venv, in document order (a later command may read an earlier one's run
+  directory). Runs are shrunk: ``iterations=N`` becomes ``iterations=2``, ``hybridflow run`` gets
+  small batch overrides and ``python examples/*.py`` gets ``--iterations 2``. A few commands are
+  exempt below, each with the reason and where it is exercised instead.
+- ``python``: run as a script in the same directory (``iterations=N`` shrunk the same way).
+- ``yaml``: a graph or pool file (``...`` items dropped) must validate against the JSON schema.
+- ``text`` (or no language): output shown to the reader; not run.
+
+After each file: every ``--run-dir D`` holds a metrics.jsonl with finite values, every plot
+command wrote a PNG, every example printed a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from hybridflow.spec.docgen import json_schemas, stale_files
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```", re.S | re.M)
+RUN_LANGS = {"bash", "sh", "shell", "python", "yaml"}
+SHOWN_LANGS = {"", "text", "console-output"}
+
+# command (regex) -> why it is not run here; each is exercised elsewhere or cannot be here.
+EXEMPT = {
+    r"^make install\b": "CI's .ci/run runs it to build the environment the tests run in",
+    r"^make test(-fast)?\b": "CI's .ci/run runs `make test`, which runs this file",
+    r"--address auto\b": "needs a running Ray cluster; `ray.init(address=...)` is Ray's own code path",
+    r"^tensorboard\b": "starts a web server; the event files it reads are checked in tests/test_loggers.py",
+}
+SMALL_RUN = [
+    "trainer.iterations=2", "trainer.val_interval=2", "data.prompts_per_iteration=4",
+    "models.actor.rollout.n=4", "data.num_val=4",
+]
+
+
+def fenced_blocks(path: Path) -> list[tuple[str, str]]:
+    return [(lang.lower(), body) for lang, body in FENCE.findall(path.read_text())]
+
+
+def commands(body: str) -> list[str]:
+    """Command lines of a shell block: continuations joined, comments and blank lines dropped."""
+    out, pending = [], ""
+    for line in body.splitlines():
+        line = pending + line
+        if line.rstrip().endswith("\\"):
+            pending = line.rstrip()[:-1] + " "
+            continue
+        pending = ""
+        if shlex.split(line, comments=True):
+            out.append(re.sub(r"\s+#\s.*$", "", line).strip())  # as typed: globs stay globs
+    return out
+
+
+def _has_redirect(line: str) -> bool:
+    return bool(re.search(r"\s[>|]\s", line.split(" #")[0]))
+
+
+def exempt_reason(command: str) -> str | None:
+    return next((why for pattern, why in EXEMPT.items() if re.search(pattern, command)), None)
+
+
+def shrink(command: str) -> str:
+    """The command made small, edited as text so quoting, globs and $VARS stay as typed."""
+    command = re.sub(r"iterations=\d+", "iterations=2", command)
+    command = re.sub(r"--iterations \d+", "--iterations 2", command)
+    if re.match(r"^(\w+=\S+\s+)*\S*hybridflow run\s", command):
+        # After the file's own overrides (later ones win), before the --options.
+        option = re.search(r"\s--[a-z]", command)
+        at = option.start() if option else len(command)
+        return f"{command[:at]} {' '.join(SMALL_RUN)}{command[at:]}"
+    if re.match(r"^python examples/", command) and "--iterations" not in command:
+        return command + " --iterations 2"
+    return command
+
+
+def test_generated_reference_is_current():
+    stale = stale_files(ROOT / "docs")
+    assert not stale, f"stale generated docs {stale}: run `hybridflow docs` (or `make docs`)"
+
+
+def test_reference_lists_every_field_with_its_default():
+    from hybridflow.spec.docgen import _sections, generate_all
+    from hybridflow.spec.graph import DataSpec, GraphSpec
+    from hybridflow.spec.pool import PoolsFile
+
+    files = generate_all()
+    for root, doc in ((GraphSpec, files["graph-file.md"]), (PoolsFile, files["pool-file.md"])):
+        parts = doc.split("\n## ")
+        for section in _sections(root, ""):
+            body = next(p for p in parts if p.startswith(section.title + "\n"))
+            for name in section.model.model_fields:
+                assert f"| `{name}` |" in body, f"{section.title}.{name} missing from the reference"
+    data = next(p for p in files["graph-file.md"].split("\n## ") if p.startswith("DataSpec\n"))
+    default = DataSpec.model_fields["prompts_per_iteration"].default
+    assert f"| `prompts_per_iteration` | int (>= 1) | `{default}` |" in data
+
+
+def test_every_block_has_a_known_language():
+    for path in DOC_FILES:
+        for lang, body in fenced_blocks(path):
+            assert lang in RUN_LANGS | SHOWN_LANGS, f"{path.name}: block in unknown language {lang!r}:\n{body}"
+
+
+def test_yaml_blocks_validate():
+    schemas = json_schemas()
+    checked = 0
+    for path in DOC_FILES:
+        for lang, body in fenced_blocks(path):
+            if lang != "yaml":
+                continue
+            data = yaml.safe_load(body)
+            if isinstance(data, dict):
+                for value in data.values():
+                    if isinstance(value, list):
+                        value[:] = [item for item in value if item != "..."]
+            kind = "pool" if isinstance(data, dict) and "pools" in data else "graph"
+            errors = list(jsonschema.Draft202012Validator(schemas[kind]).iter_errors(data))
+            assert not errors, f"{path.name}: {[e.message for e in errors]}\n{body}"
+            checked += 1
+    assert checked >= 1
+
+
+def test_doc_commands_are_parsed():
+    """The extraction itself: a README command list that the runner will see."""
+    readme = [c for lang, body in fenced_blocks(ROOT / "README.md") if lang == "bash" for c in commands(body)]
+    assert "hybridflow validate graphs/*.yaml" in readme
+    assert any(c.startswith("hybridflow plot") for c in readme)
+    assert shrink("hybridflow run graphs/grpo.yaml trainer.iterations=20 --run-dir runs/x").startswith(
+        "hybridflow run graphs/grpo.yaml trainer.iterations=2 trainer.iterations=2"
+    )
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A scratch directory that looks like the repository root to the documented commands."""
+    work = tmp_path_factory.mktemp("docs-run")
+    for name in ("graphs", "resource_pools", "examples", "docs", ".venv"):
+        if (ROOT / name).exists():
+            (work / name).symlink_to(ROOT / name)
+    return work
+
+
+def _env(work: Path) -> dict[str, str]:
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    # The documented way to make a custom reward module importable by the workers.
+    env["PYTHONPATH"] = os.pathsep.join([str(work / "examples"), str(ROOT)])
+    return env
+
+
+def _check_outputs(command: str, done: subprocess.CompletedProcess, work: Path) -> None:
+    tokens = shlex.split(command) if not _has_redirect(command) else []
+    while tokens and re.match(r"^\w+=", tokens[0]):  # leading VAR=value assignments
+        tokens.pop(0)
+    if "--run-dir" in tokens and "run" in tokens[:2]:
+        metrics = work / tokens[tokens.index("--run-dir") + 1] / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert rows and all(math.isfinite(v) for row in rows for v in row.values()), metrics
+    if tokens[:2] == ["hybridflow", "plot"]:
+        png = Path(tokens[tokens.index("--out") + 1]) if "--out" in tokens else Path(tokens[2]) / "plot.png"
+        assert (work / png).read_bytes()[:4] == b"\x89PNG", png
+    if tokens[:1] == ["python"] and tokens[1].startswith("examples/"):
+        assert "'iterations': 2" in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_doc_blocks_run(path, workdir):
+    ran, exempt = [], []
+    for index, (lang, body) in enumerate(fenced_blocks(path)):
+        if lang in ("bash", "sh", "shell"):
+            for command in commands(body):
+                reason = exempt_reason(command)
+                if reason:
+                    exempt.append((command, reason))
+                    continue
+                small = shrink(command)
+                done = subprocess.run(
+                    ["bash", "-c", small], cwd=workdir, env=_env(workdir), capture_output=True, text=True, timeout=900
+                )
+                assert done.returncode == 0, f"{path.name}: `{small}` exited {done.returncode}:\n{done.stderr[-3000:]}"
+                _check_outputs(small, done, workdir)
+                ran.append(small)
+        elif lang == "python":
+            script = workdir / f"{path.stem}-block{index}.py"
+            script.write_text(re.sub(r"iterations=\d+", "iterations=2", body))
+            done = subprocess.run(
+                [sys.executable, str(script)], cwd=workdir, env=_env(workdir), capture_output=True, text=True,
+                timeout=900,
+            )
+            assert done.returncode == 0, f"{path.name} python block {index}:\n{done.stderr[-3000:]}"
+            ran.append(f"python block {index}")
+    print(f"{path.name}: ran {len(ran)}, exempt {exempt}")

@@ -1,0 +1,79 @@
+"""Loggers chosen by ``trainer.loggers``: console lines, TensorBoard scalars, sample generations."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from hybridflow.controller.loggers import ConsoleLogger, RunLoggers, SampleWriter, samples_from_metas
+from hybridflow.spec.graph import TrainerSpec
+from hybridflow.spec.loading import SpecError, validate_model
+
+
+def _record(i: int) -> dict:
+    return {"iteration": i, "reward/mean": 0.25 * i, "actor/kl": 0.5, "timing/iteration": 1.0}
+
+
+def test_console_prints_every_interval_and_the_last(capsys):
+    logger = ConsoleLogger(interval=2, iterations=5)
+    for i in range(1, 6):
+        logger.log(_record(i))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines] == ["2/5", "4/5", "5/5"]
+    assert "reward 0.500" in lines[0] and "kl 0.500" in lines[0] and "s/it 1.000" in lines[0]
+
+
+def test_run_loggers_always_write_jsonl_and_samples_when_due(tmp_path):
+    trainer = TrainerSpec(loggers=[], sample_interval=2, num_logged_samples=2, iterations=3)
+    loggers = RunLoggers(trainer, tmp_path, "g.yaml")
+    metas = {
+        "reward": [
+            {"samples": [{"prompt": "ab=", "response": "ab", "reward": 1.0}, {"prompt": "c=", "response": "x", "reward": 0.0}]},
+            {"samples": [{"prompt": "d=", "response": "d", "reward": 1.0}]},
+        ],
+        "generate": [{"metrics": {}}],
+    }
+    for i in range(1, 4):
+        loggers.log(_record(i), metas)
+    loggers.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [(s["iteration"], s["prompt"]) for s in samples] == [(2, "ab="), (2, "c="), (3, "ab="), (3, "c=")]
+    assert samples[0] == {"iteration": 2, "node": "reward", "prompt": "ab=", "response": "ab", "reward": 1.0}
+
+
+def test_samples_off_writes_nothing(tmp_path):
+    writer = SampleWriter(tmp_path / "s.jsonl", interval=0, iterations=4, limit=4)
+    assert writer.write(4, samples_from_metas({"reward": [{"samples": [{"prompt": "a"}]}]})) == 0
+    assert not (tmp_path / "s.jsonl").exists()
+
+
+def test_unknown_logger_is_a_one_line_spec_error():
+    with pytest.raises(SpecError) as info:
+        validate_model(TrainerSpec, {"loggers": ["wandb"]}, "g.yaml")
+    assert info.value.field == "loggers[0]" and "\n" not in str(info.value)
+
+
+def test_tensorboard_missing_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import now fails
+    with pytest.raises(SpecError) as info:
+        RunLoggers(TrainerSpec(loggers=["tensorboard"]), tmp_path, "g.yaml")
+    assert info.value.field == "trainer.loggers" and "pip install tensorboard" in str(info.value)
+
+
+def test_tensorboard_writes_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    loggers = RunLoggers(TrainerSpec(loggers=["tensorboard"]), tmp_path, "g.yaml")
+    for i in range(1, 4):
+        loggers.log(_record(i))
+    loggers.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    rewards = [(e.step, e.value) for e in events.Scalars("reward/mean")]
+    assert rewards == [(1, 0.25), (2, 0.5), (3, 0.75)]
+    assert "iteration" not in events.Tags()["scalars"]
