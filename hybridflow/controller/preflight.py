@@ -1,0 +1,72 @@
+"""Checks of user inputs that need more than the graph file: model directories, tokenizers and
+reward functions. Run by the trainer before it writes or starts anything; every failure is a
+one-line ``SpecError`` naming the file and the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hybridflow.graph.dag import Graph
+from hybridflow.rewards.rule import load_rule
+from hybridflow.spec.loading import SpecError
+
+LM_ROLES = ("actor", "ref", "critic", "reward", "cost")
+
+
+def check_model_paths(graph: Graph) -> None:
+    """Every ``source.path`` is a directory holding a readable HF ``config.json``."""
+    for name, model in graph.spec.models.items():
+        if model.source.path is None:
+            continue
+        field = f"models.{name}.source.path"
+        path = Path(model.source.path)
+        if not path.is_dir():
+            raise SpecError(graph.file, field, f"model directory {str(path)!r} not found")
+        config = path / "config.json"
+        if not config.is_file():
+            raise SpecError(graph.file, field, f"{str(path)!r} is not a HF model directory (no config.json)")
+        try:
+            json.loads(config.read_text())
+        except ValueError:
+            raise SpecError(graph.file, field, f"{config} is not valid JSON") from None
+
+
+def check_inputs(graph: Graph, tokenizer) -> None:
+    """Reward functions import; path models fit the run's tokenizer (the actor's)."""
+    for name, model in graph.spec.models.items():
+        source = model.source
+        rules = [(f"models.{name}.source.rule", source.rule)] if source.rule else []
+        if source.remote is not None:
+            rules += [
+                (f"models.{name}.source.remote.components[{i}].rule", c.rule)
+                for i, c in enumerate(source.remote.components)
+                if c.rule is not None
+            ]
+        for field, rule in rules:
+            try:
+                load_rule(rule)
+            except ValueError as exc:
+                raise SpecError(graph.file, field, str(exc)) from None
+        if source.path is not None and model.role in LM_ROLES:
+            _check_tokenizer_fits(graph.file, f"models.{name}.source.path", Path(source.path), tokenizer)
+
+
+def _check_tokenizer_fits(file: str, field: str, path: Path, tokenizer) -> None:
+    vocab_size = json.loads((path / "config.json").read_text()).get("vocab_size")
+    if isinstance(vocab_size, int) and vocab_size < len(tokenizer):
+        raise SpecError(
+            file, field,
+            f"model vocab_size {vocab_size} < the run's tokenizer's {len(tokenizer)} tokens; "
+            "expected a model trained with the actor's tokenizer",
+        )
+    if (path / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        own = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if own.get_vocab() != tokenizer.get_vocab():
+            raise SpecError(
+                file, field,
+                f"its tokenizer ({len(own)} tokens) differs from the actor's ({len(tokenizer)} "
+                "tokens); expected the same tokenizer",
+            )

@@ -1,0 +1,288 @@
+"""Remote reward service: ``hybridflow serve-reward`` (server) and the client a score node uses.
+
+Wire format (JSON only, both directions)::
+
+    POST /score   {"prompts": [str], "responses": [str], "ground_truths": [str]}
+               -> {"scores": [float]}              (one finite number per sample)
+    GET  /health  -> {"ok": true}
+
+Both ends bound sizes: the server answers 413 to a body over ``max_request_bytes``; the client
+splits a batch whose JSON body would exceed its ``max_request_bytes`` and rejects a response
+over ``max_response_bytes``. The client retries a failed request (connection error, timeout,
+5xx, malformed answer) ``retries`` times, waiting ``backoff_s * 2**k`` before retry ``k``; a 4xx
+is not retried. ``RewardSources`` scores a batch with every component (servers and local rules)
+and aggregates them (weighted sum, mean, min or max), keeping each component's scores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from hybridflow.rewards.rule import RewardError, load_rule, score_texts_guarded
+from hybridflow.spec.graph import ModelSource, RemoteRewardSpec
+
+# A component's (B,) scores ride in the batch as "<score key>/<name>", e.g. "scores/copy".
+
+
+# -- server ---------------------------------------------------------------------------------------
+
+
+def _json_bytes(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def _parse_request(body: bytes) -> tuple[list[str], list[str], list[str]]:
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("body is not JSON") from None
+    if not isinstance(obj, dict):
+        raise ValueError("expected a JSON object")
+    fields = []
+    for key in ("prompts", "responses", "ground_truths"):
+        value = obj.get(key)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{key!r} must be a list of strings")
+        fields.append(value)
+    if len({len(f) for f in fields}) != 1:
+        raise ValueError("prompts, responses and ground_truths must have the same length")
+    return fields[0], fields[1], fields[2]
+
+
+def make_server(
+    fn: Callable[[str, str, str], float],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_request_bytes: int = 1 << 20,
+) -> ThreadingHTTPServer:
+    """An HTTP server (not yet serving) that scores requests with the rule ``fn``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _reply(self, status: int, obj: object) -> None:
+            body = _json_bytes(obj)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            if self.path == "/health":
+                self._reply(200, {"ok": True})
+            else:
+                self._reply(404, {"error": f"no such path {self.path}"})
+
+        def do_POST(self) -> None:  # noqa: N802
+            if self.path != "/score":
+                self._reply(404, {"error": f"no such path {self.path}"})
+                return
+            try:
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                self.close_connection = True
+                self._reply(411, {"error": "Content-Length required"})
+                return
+            if length > max_request_bytes:
+                self.close_connection = True  # the unread body must not be parsed as a request
+                self._reply(413, {"error": f"body of {length} bytes > {max_request_bytes}"})
+                return
+            try:
+                prompts, responses, truths = _parse_request(self.rfile.read(length))
+            except ValueError as exc:
+                self._reply(400, {"error": str(exc)})
+                return
+            scores, num_errors = score_texts_guarded(
+                fn, prompts, responses, truths, on_error="default", default_reward=float("nan")
+            )
+            if num_errors:
+                self._reply(500, {"error": f"the rule failed on {num_errors} sample(s)"})
+                return
+            self._reply(200, {"scores": scores.tolist()})
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            pass  # one line per request would flood the log of a long run
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    return server
+
+
+def serve(rule: str, host: str, port: int, max_request_bytes: int) -> None:
+    """``hybridflow serve-reward``: serve ``rule`` until interrupted."""
+    server = make_server(load_rule(rule), host, port, max_request_bytes)
+    bound_host, bound_port = server.server_address[:2]
+    print(f"serve-reward: {rule} on http://{bound_host}:{bound_port}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+
+
+# -- client ---------------------------------------------------------------------------------------
+
+
+class RemoteRewardError(RuntimeError):
+    """A reward server could not give valid scores within the retries."""
+
+
+@dataclass
+class RemoteScorer:
+    """Scores batches on one ``serve-reward`` server (module docstring)."""
+
+    url: str
+    timeout_s: float = 10.0
+    retries: int = 2
+    backoff_s: float = 0.2
+    max_request_bytes: int = 1 << 20
+    max_response_bytes: int = 1 << 20
+    num_retries: int = field(default=0, init=False)  # retries done so far (a metric)
+
+    def score(
+        self, prompts: Sequence[str], responses: Sequence[str], ground_truths: Sequence[str]
+    ) -> list[float]:
+        body = _json_bytes(
+            {"prompts": list(prompts), "responses": list(responses), "ground_truths": list(ground_truths)}
+        )
+        if len(body) > self.max_request_bytes:
+            if len(prompts) == 1:
+                raise RemoteRewardError(
+                    f"{self.url}: one sample is {len(body)} bytes of JSON > max_request_bytes="
+                    f"{self.max_request_bytes}"
+                )
+            half = len(prompts) // 2
+            return self.score(prompts[:half], responses[:half], ground_truths[:half]) + self.score(
+                prompts[half:], responses[half:], ground_truths[half:]
+            )
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self.num_retries += 1
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                return self._post(body, len(prompts))
+            except _Permanent as exc:
+                raise RemoteRewardError(f"{self.url}: {exc}") from None
+            except (OSError, ValueError) as exc:  # URLError, timeouts, resets, bad answers
+                last = f"{type(exc).__name__}: {exc}"
+        raise RemoteRewardError(f"{self.url}: failed after {self.retries + 1} attempts ({last})")
+
+    def _post(self, body: bytes, num_samples: int) -> list[float]:
+        request = urllib.request.Request(
+            self.url.rstrip("/") + "/score",
+            data=body,
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                raw = response.read(self.max_response_bytes + 1)
+        except urllib.error.HTTPError as exc:
+            if 400 <= exc.code < 500:
+                raise _Permanent(f"HTTP {exc.code} {exc.reason}") from None
+            raise OSError(f"HTTP {exc.code} {exc.reason}") from None
+        if len(raw) > self.max_response_bytes:
+            raise ValueError(f"response over max_response_bytes={self.max_response_bytes}")
+        try:
+            scores = json.loads(raw)["scores"]
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+            raise ValueError(f"response is not {{'scores': [...]}} JSON: {raw[:80]!r}") from None
+        if not isinstance(scores, list) or len(scores) != num_samples:
+            raise ValueError(f"expected {num_samples} scores, got {str(scores)[:80]}")
+        if not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) for s in scores):
+            raise ValueError(f"scores must be finite numbers, got {str(scores)[:80]}")
+        return [float(s) for s in scores]
+
+
+class _Permanent(Exception):
+    """A failure a retry cannot fix (a 4xx answer)."""
+
+
+# -- several sources, aggregated ------------------------------------------------------------------
+
+
+def aggregate(components: dict[str, torch.Tensor], weights: dict[str, float], mode: str) -> torch.Tensor:
+    """(B,) aggregate of the components' (B,) scores: weighted_sum, mean, min or max."""
+    stacked = torch.stack(list(components.values()))  # (C, B)
+    if mode == "weighted_sum":
+        w = torch.tensor([weights[name] for name in components], dtype=stacked.dtype)
+        return (w[:, None] * stacked).sum(0)
+    if mode == "mean":
+        return stacked.mean(0)
+    if mode == "min":
+        return stacked.min(0).values
+    if mode == "max":
+        return stacked.max(0).values
+    raise AssertionError(f"unknown aggregate {mode!r}")
+
+
+@dataclass
+class ScoreResult:
+    scores: torch.Tensor  # (B,) float32
+    components: dict[str, torch.Tensor]  # name -> (B,) float32; empty for a single rule
+    num_errors: int  # samples (per component) that got the default reward
+    num_retries: int = 0
+
+
+class RewardSources:
+    """A reward/cost model's scorer: one rule (``source.rule``) or several aggregated sources."""
+
+    def __init__(self, source: ModelSource) -> None:
+        self.spec: RemoteRewardSpec | None = source.remote
+        if source.rule is not None:
+            self.sources = {"rule": (source.rule, load_rule(source.rule))}
+            return
+        self.sources = {}
+        for c in self.spec.components:
+            if c.rule is not None:
+                self.sources[c.name] = (c.rule, load_rule(c.rule))
+            else:
+                self.sources[c.name] = (c.url, RemoteScorer(
+                    c.url, self.spec.timeout_s, self.spec.retries, self.spec.backoff_s,
+                    self.spec.max_request_bytes, self.spec.max_response_bytes,
+                ))
+
+    def score(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        *,
+        on_error: str,
+        default_reward: float,
+        timeout_s: float | None,
+    ) -> ScoreResult:
+        components, num_errors, num_retries = {}, 0, 0
+        for name, (where, scorer) in self.sources.items():
+            if isinstance(scorer, RemoteScorer):
+                before = scorer.num_retries
+                try:
+                    values = torch.tensor(scorer.score(prompts, responses, ground_truths), dtype=torch.float32)
+                except RemoteRewardError as exc:
+                    if on_error == "fail":
+                        raise RewardError(f"reward {name}: {exc}") from None
+                    values = torch.full((len(prompts),), default_reward, dtype=torch.float32)
+                    num_errors += len(prompts)
+                num_retries += scorer.num_retries - before
+            else:
+                values, errors = score_texts_guarded(
+                    scorer, prompts, responses, ground_truths, on_error=on_error,
+                    default_reward=default_reward, timeout_s=timeout_s, name=where,
+                )
+                num_errors += errors
+            components[name] = values
+        if self.spec is None:
+            return ScoreResult(components["rule"], {}, num_errors, num_retries)
+        weights = {c.name: c.weight for c in self.spec.components}
+        scores = aggregate(components, weights, self.spec.aggregate)
+        return ScoreResult(scores, components, num_errors, num_retries)

@@ -1,0 +1,73 @@
+"""The bad-input corpus (tests/bad_inputs/cases.yaml): every broken input stops `hybridflow run`
+with exit code 2 and exactly the expected one line naming the file and the field, before the
+run writes anything or starts Ray or a worker."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridflow.cli.main import main
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = yaml.safe_load((ROOT / "tests" / "bad_inputs" / "cases.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Tiny HF model directories: one with the run's tokenizer, one whose tokenizer has an
+    extra token, one whose vocabulary is smaller than the tokenizer's."""
+    from hybridflow.data.tasks import get_task
+    from hybridflow.engines.models import build_causal_lm
+    from hybridflow.spec.graph import ModelSource
+
+    tmp = tmp_path_factory.mktemp("models")
+    for name, extra_tokens, vocab in [("actor_model", [], None), ("other_tokenizer_model", ["<x>"], None),
+                                      ("small_vocab_model", None, 5)]:
+        tokenizer = get_task("copy").tokenizer()
+        if extra_tokens:
+            tokenizer.add_tokens(extra_tokens)
+        model = build_causal_lm(ModelSource(config={"hidden_size": 16}), vocab or len(tokenizer),
+                                tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0)
+        model.save_pretrained(tmp / name)
+        if extra_tokens is not None:
+            tokenizer.save_pretrained(tmp / name)
+    return tmp
+
+
+def _fill(text: str, tmp: Path) -> str:
+    return text.replace("{root}", str(ROOT)).replace("{tmp}", str(tmp))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[" ".join(c["args"])[16:60] for c in CASES])
+def test_bad_input_gives_one_expected_line_and_exit_2(case, model_dirs, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    run_dir = tmp_path / "run"
+    args = [_fill(a, model_dirs) for a in case["args"]]
+    code = main(["run", *args, "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == f"error: {_fill(case['expect'], model_dirs)}\n"
+    assert not run_dir.exists(), "the run half-started"
+
+
+def test_base_graph_of_the_corpus_is_valid(monkeypatch):
+    """Each case breaks exactly one thing: the graph they start from passes validation."""
+    monkeypatch.chdir(ROOT)
+    assert main(["validate", "tests/bad_inputs/base.yaml"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", [0, 20])
+def test_cli_process_exits_2(index):
+    """A real `hybridflow run` process: exit status 2 and the one line, no Ray start."""
+    case = CASES[index]
+    out = subprocess.run([sys.executable, "-m", "hybridflow.cli.main", "run", *case["args"]],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr == f"error: {_fill(case['expect'], Path('/nonexistent'))}\n"
+    assert "Ray" not in out.stdout + out.stderr

@@ -1,0 +1,174 @@
+"""Checkpoints and the NaN guard: what a checkpoint holds, that a non-finite weight never gets
+into one, that a kill during a save leaves the previous one loadable, and the HF export."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridflow.controller.checkpoint import complete_checkpoints, latest_checkpoint
+from hybridflow.graph.dag import load_graph
+
+ROOT = Path(__file__).resolve().parent.parent
+GRPO = ROOT / "graphs" / "grpo.yaml"
+SMALL = [
+    "trainer.progress=false", "trainer.save_final=false", "data.prompts_per_iteration=4",
+    "data.num_val=0", "models.actor.rollout.n=4", "trainer.val_interval=0",
+]
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def actor_weights(checkpoint: Path, rank: int = 0) -> dict[str, torch.Tensor]:
+    state = torch.load(checkpoint / "pool_default" / f"rank_{rank:05d}.pt", weights_only=False)
+    return state["engines"]["actor"]["model"]
+
+
+def inject(trainer, target: str, count: int = 1) -> None:
+    import ray
+
+    ray.get(trainer.groups["default"].call("inject_nonfinite", model="actor", target=target, count=count))
+
+
+@pytest.mark.slow
+def test_nan_guard_skips_counts_and_stops_after_k_in_a_row(ray_session, tmp_path):
+    from hybridflow.controller.checkpoint import RunStopped
+    from hybridflow.controller.trainer import Trainer
+
+    overrides = [*SMALL, "trainer.iterations=8", "trainer.save_interval=1", "trainer.keep_last=10",
+                 "trainer.nan_tolerance=2"]
+    trainer = Trainer(load_graph(GRPO, overrides), run_dir=str(tmp_path / "run"))
+    # A NaN loss in iteration 2 (alone: skipped, counted, run goes on), then in 4 and 5 (two in a
+    # row = nan_tolerance: the run stops after 5).
+    plan = {1: 1, 3: 2}
+    trainer.callbacks.append(lambda t, it, m: inject(t, "loss", plan[it]) if it in plan else None)
+    with pytest.raises(RunStopped, match=r"stopping at iteration 5: the update was skipped .* 2 "
+                       r"iterations in a row \(trainer.nan_tolerance=2\)"):
+        trainer.fit()
+
+    rows = metric_rows(tmp_path / "run")
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["actor/skipped_step"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 1.0]
+    assert [r["guard/skipped_updates"] for r in rows] == [0.0, 1.0, 1.0, 2.0, 3.0]
+    assert not torch.isfinite(torch.tensor(rows[1]["actor/loss"]))
+    # A skipped update leaves the weights as they were; a normal one changes them.
+    ckpt = {p.name: p for p in complete_checkpoints(tmp_path / "run")}
+    assert sorted(ckpt) == [f"iter_0000000{i}" for i in (1, 2, 3, 4)]  # none after the stop
+    w1, w2, w3 = (actor_weights(ckpt[f"iter_0000000{i}"]) for i in (1, 2, 3))
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert any(not torch.equal(w2[k], w3[k]) for k in w2)
+
+
+@pytest.mark.slow
+def test_nonfinite_weight_is_never_checkpointed(ray_session, tmp_path):
+    from hybridflow.controller.checkpoint import RunStopped
+    from hybridflow.controller.trainer import Trainer
+
+    overrides = [*SMALL, "trainer.iterations=4", "trainer.save_interval=1"]
+    trainer = Trainer(load_graph(GRPO, overrides), run_dir=str(tmp_path / "run"))
+    trainer.callbacks.append(lambda t, it, m: inject(t, "weight") if it == 2 else None)
+    with pytest.raises(RunStopped, match=r"stopping at iteration 2: .*weight .* is not finite; not "
+                       r"checkpointing it; last checkpoint: .*iter_00000001"):
+        trainer.fit()
+    assert [p.name for p in complete_checkpoints(tmp_path / "run")] == ["iter_00000001"]
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+    for rank in (0, 1):
+        assert all(torch.isfinite(w).all() for w in actor_weights(latest_checkpoint(tmp_path / "run"), rank).values())
+
+
+@pytest.mark.slow
+def test_kill_during_checkpoint_save_leaves_previous_loadable(tmp_path):
+    """SIGKILL the whole `hybridflow run` (controller, Ray, workers) while a checkpoint is being
+    written: the newest complete checkpoint loads, and `--resume` finishes the run from it."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hybridflow.cli.main", "run", str(GRPO), *SMALL,
+           "trainer.iterations=40", "trainer.save_interval=1", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    root = run_dir / "checkpoints"
+    caught = None
+    deadline = time.monotonic() + 400
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            temps = list(root.glob(".tmp-*")) if root.is_dir() else []
+            # Only once a complete checkpoint exists: the point is that it survives.
+            if temps and complete_checkpoints(run_dir) and any(temps[0].glob("pool_default/rank_*")):
+                os.killpg(proc.pid, signal.SIGKILL)
+                caught = temps[0]
+                break
+            time.sleep(0.002)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert caught is not None, f"never saw a save in progress: {proc.stderr.read()[-2000:]!r}"
+    assert caught.exists(), "the kill was meant to leave the half-written checkpoint behind"
+    assert not (caught / "meta.json").exists()
+
+    previous = latest_checkpoint(run_dir)
+    assert previous is not None
+    meta = json.loads((previous / "meta.json").read_text())
+    controller = torch.load(previous / "controller.pt", weights_only=False)
+    assert controller["iteration"] == meta["iteration"] == int(previous.name.split("_")[1])
+    for rank in (0, 1):
+        state = torch.load(previous / "pool_default" / f"rank_{rank:05d}.pt", weights_only=False)
+        assert set(state["engines"]) == {"actor"} and "optimizer" in state["engines"]["actor"]
+
+    done = meta["iteration"]
+    resumed = subprocess.run(
+        [*cmd[:-2], "trainer.iterations=" + str(done + 1), "--run-dir", str(run_dir), "--resume"],
+        cwd=ROOT, capture_output=True, text=True, timeout=400,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["iteration"] for r in metric_rows(run_dir)] == list(range(1, done + 2))
+    assert not list(root.glob(".tmp-*"))  # the next save swept it
+
+
+def test_exported_actor_reloads_with_logits_equal_to_the_train_engine(tmp_path):
+    """save_hf after a real optimizer step; from_pretrained's logits match within 1e-5."""
+    from tensordict import TensorDict
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.data import keys as K
+    from hybridflow.data.tasks import get_task
+    from hybridflow.engines.models import build_causal_lm
+    from hybridflow.engines.torch_engine import TorchTrainEngine
+    from hybridflow.spec.graph import ModelSource, TrainEngineSpec
+
+    tokenizer = get_task("copy").tokenizer()
+    module = build_causal_lm(ModelSource(config={"hidden_size": 64}), len(tokenizer),
+                             tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0)
+    engine = TorchTrainEngine(module, TrainEngineSpec())
+    gen = torch.Generator().manual_seed(0)
+    num, prompt_len, resp_len = 4, 5, 6
+    ids = torch.randint(3, len(tokenizer), (num, prompt_len + resp_len), generator=gen)
+    batch = TensorDict({
+        K.INPUT_IDS: ids, K.ATTENTION_MASK: torch.ones_like(ids),
+        K.POSITION_IDS: torch.arange(prompt_len + resp_len).expand(num, -1),
+        K.RESPONSES: ids[:, prompt_len:], K.RESPONSE_MASK: torch.ones(num, resp_len, dtype=torch.int64),
+    }, batch_size=[num])
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    metrics = engine.train_step(batch, lambda mb, out: (-(out["log_probs"].sum()) / out["num_global_tokens"], {}))
+    assert metrics["skipped_step"] == 0.0
+    assert any(not torch.equal(before[k], v) for k, v in module.state_dict().items())
+
+    engine.save_hf(str(tmp_path / "actor"))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "actor").eval()
+    module.eval()
+    with torch.no_grad():
+        expected = module(input_ids=ids).logits
+        got = reloaded(input_ids=ids).logits
+    assert (expected - got).abs().max().item() <= 1e-5
+    log_probs = engine.forward(batch)["log_probs"]
+    from_hf = torch.log_softmax(got[:, prompt_len - 1 : -1].float(), -1).gather(-1, ids[:, prompt_len:, None])[..., 0]
+    assert (log_probs - from_hf).abs().max().item() <= 1e-5
