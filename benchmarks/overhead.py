@@ -8,7 +8,8 @@ Both sides run the default graph (graphs/grpo.yaml) on ONE rank with two torch t
 - engine: `hybridflow run`'s controller with a one-device pool (Ray actor, ShardedRefs, the
   executor's dataflow scheduling, metric reduction, JSONL logging).
 Both are seeded alike, so they generate the same tokens (checked: the reward sequences must
-match), and overhead = (engine - plain) / engine per iteration, medians after warm-up.
+match). The two paths alternate iteration by iteration, so background load hits both alike;
+overhead = (engine - plain) / engine of the median iteration times after warm-up.
 """
 
 from __future__ import annotations
@@ -40,67 +41,48 @@ def load(iterations: int):
     )
 
 
-def plain_times(iterations: int) -> tuple[list[float], list[float]]:
+class PlainPath:
     """The ops of one iteration, called directly on an in-process worker."""
-    import torch
-    from tensordict import TensorDict
 
-    from hybridflow.controller.executor import _call_args
-    from hybridflow.data.datasets import PromptDataset, load_prompt_rows
-    from hybridflow.data.tasks import get_task
-    from hybridflow.workers.model_worker import ModelWorker
+    def __init__(self, iterations: int):
+        from hybridflow.data.datasets import PromptDataset, load_prompt_rows
+        from hybridflow.data.tasks import get_task
+        from hybridflow.workers.model_worker import ModelWorker
 
-    graph = load(iterations)
-    spec = graph.spec
-    tokenizer = get_task("copy").tokenizer()
-    tok_dir = tempfile.mkdtemp(prefix="overhead-tok-")
-    tokenizer.save_pretrained(tok_dir)
-    pool = graph.pools["default"]
-    with socket.socket() as probe:  # a free port for the one-rank gloo group
-        probe.bind(("127.0.0.1", 0))
-        addr, port = probe.getsockname()
-    worker = ModelWorker(
-        0, 1, addr, port, pool.threads_per_device, graph_spec=spec, models=list(spec.models),
-        layouts=graph.layouts, tokenizer_dir=tok_dir, total_steps=iterations,
-    )
-    train_rows, _ = load_prompt_rows(spec.data.source, ".", spec.data.num_train, spec.data.num_val, spec.data.seed)
-    dataset = PromptDataset(train_rows, tokenizer, spec.data.max_prompt_length, spec.data.prompts_per_iteration,
-                            spec.data.shuffle, spec.data.seed)
-    times, rewards = [], []
-    for _ in range(iterations):
-        start = time.perf_counter()
-        outputs: dict[str, TensorDict] = {"<data>": dataset.next_batch()}
-        for node in graph.nodes:
-            method, kwargs = _call_args(graph, node)
-            srcs = list(dict.fromkeys(graph.producers(node).values()))
+        self.graph = graph = load(iterations)
+        spec = graph.spec
+        tokenizer = get_task("copy").tokenizer()
+        tok_dir = tempfile.mkdtemp(prefix="overhead-tok-")
+        tokenizer.save_pretrained(tok_dir)
+        with socket.socket() as probe:  # a free port for the one-rank gloo group
+            probe.bind(("127.0.0.1", 0))
+            addr, port = probe.getsockname()
+        self.worker = ModelWorker(
+            0, 1, addr, port, graph.pools["default"].threads_per_device, graph_spec=spec,
+            models=list(spec.models), layouts=graph.layouts, tokenizer_dir=tok_dir,
+            total_steps=iterations,
+        )
+        rows, _ = load_prompt_rows(spec.data.source, ".", spec.data.num_train, spec.data.num_val, spec.data.seed)
+        self.dataset = PromptDataset(rows, tokenizer, spec.data.max_prompt_length,
+                                     spec.data.prompts_per_iteration, spec.data.shuffle, spec.data.seed)
+
+    def step(self) -> float:
+        """One iteration; returns the mean reward."""
+        from hybridflow.controller.executor import _call_args
+
+        outputs = {"<data>": self.dataset.next_batch()}
+        reward = float("nan")
+        for node in self.graph.nodes:
+            method, kwargs = _call_args(self.graph, node)
+            srcs = list(dict.fromkeys(self.graph.producers(node).values()))
             batch = outputs[srcs[0]].clone(False)
             for src in srcs[1:]:
                 batch.update(outputs[src])
-            out, meta = getattr(worker, method)(batch, **kwargs)
+            out, meta = getattr(self.worker, method)(batch, **kwargs)
             outputs[node.name] = out
             if node.op == "score":
-                rewards.append(meta["metrics"]["reward/mean"])
-        times.append(time.perf_counter() - start)
-    worker.shutdown()
-    del torch
-    return times, rewards
-
-
-def engine_times(iterations: int) -> tuple[list[float], list[float]]:
-    from hybridflow.controller.trainer import Trainer
-
-    trainer = Trainer(load(iterations), run_dir=tempfile.mkdtemp(prefix="overhead-run-"))
-    trainer._setup()
-    times, rewards = [], []
-    try:
-        for iteration in range(1, iterations + 1):
-            start = time.perf_counter()
-            metrics = trainer.step(iteration)
-            times.append(time.perf_counter() - start)
-            rewards.append(metrics["reward/mean"])
-    finally:
-        trainer.shutdown()
-    return times, rewards
+                reward = meta["metrics"]["reward/mean"]
+        return reward
 
 
 def main(argv=None) -> int:
@@ -110,10 +92,25 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
+    from hybridflow.controller.trainer import Trainer
+
     torch.set_num_threads(2)
-    engine, engine_rewards = engine_times(args.iterations)
-    plain, plain_rewards = plain_times(args.iterations)
-    same = all(abs(a - b) < 1e-6 for a, b in zip(engine_rewards, plain_rewards))
+    trainer = Trainer(load(args.iterations), run_dir=tempfile.mkdtemp(prefix="overhead-run-"))
+    trainer._setup()
+    plain_path = PlainPath(args.iterations)
+    engine, plain, same = [], [], True
+    try:
+        for iteration in range(1, args.iterations + 1):
+            start = time.perf_counter()
+            engine_reward = trainer.step(iteration)["reward/mean"]
+            engine.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            plain_reward = plain_path.step()
+            plain.append(time.perf_counter() - start)
+            same = same and abs(engine_reward - plain_reward) < 1e-6
+    finally:
+        trainer.shutdown()
+        plain_path.worker.shutdown()
     w = args.warmup
     e, p = statistics.median(engine[w:]), statistics.median(plain[w:])
     print("| path | median iteration (s) |")

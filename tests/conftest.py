@@ -7,6 +7,7 @@ import os
 import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_worker_niceness", "0")  # as the Trainer does: workers do the work
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
