@@ -26,7 +26,8 @@ run:
 install-peers:
 	$(PY) -m venv .venv-peers
 	.venv-peers/bin/pip install torch==2.13.0
-	.venv-peers/bin/pip install -e '.[dev]' trl==1.16.0
+	.venv-peers/bin/pip install -e '.[dev,vllm]' trl==1.16.0
+	.venv-peers/bin/pip uninstall -y torchvision torchaudio torchcodec
 
 bench-peers:
 	.venv-peers/bin/python benchmarks/peers.py

@@ -1,7 +1,7 @@
 """hybridflow vs TRL's GRPOTrainer on the same GRPO workload, iterations alternating in one run.
 
     make install-peers                      # .venv-peers: the project plus trl==1.16.0
-    .venv-peers/bin/python benchmarks/peers.py [--iterations 50] [--warmup 3]
+    .venv-peers/bin/python benchmarks/peers.py [--iterations 50] [--warmup 3] [--engine hf|vllm]
 
 Workload (the same for both): a random-init Qwen2 built from one config (hidden 256, 4 layers,
 intermediate 512, 4 heads, 2 KV heads, tied embeddings), the built-in character tokenizer and
@@ -48,7 +48,7 @@ MODEL_CONFIG = {
 PROMPTS, SAMPLES, MAX_NEW_TOKENS, LR, SEED = 16, 8, 64, 1e-3, 0
 
 
-def hybridflow_trainer(run_dir: Path, iterations: int):
+def hybridflow_trainer(run_dir: Path, iterations: int, engine: str):
     from hybridflow.controller.trainer import Trainer
     from hybridflow.graph.builder import GraphBuilder
 
@@ -58,7 +58,7 @@ def hybridflow_trainer(run_dir: Path, iterations: int):
         role="actor",
         source={"config": MODEL_CONFIG},
         train={"micro_batch_size": 64, "optim": {"lr": LR, "betas": [0.9, 0.999], "grad_clip": 1.0}},
-        rollout={"engine": "hf", "n": SAMPLES, "temperature": 1.0},
+        rollout={"engine": engine, "n": SAMPLES, "temperature": 1.0},
     )
     g.model("reward", role="reward", source={"rule": "hybridflow.data.tasks:copy_reward"})
     g.place({"actor": "default", "reward": "default"})
@@ -119,13 +119,15 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the TRL process")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                        help="hybridflow's rollout engine (TRL always generates with transformers)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     from transformers import TrainerCallback
 
     work = Path(tempfile.mkdtemp(prefix="peers-"))
-    hf = hybridflow_trainer(work / "hybridflow", args.iterations)
+    hf = hybridflow_trainer(work / "hybridflow", args.iterations, args.engine)
 
     class Alternate(TrainerCallback):
         def __init__(self):
@@ -159,6 +161,7 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()} cores, torch {torch.__version__}",
         "iterations": args.iterations,
+        "hybridflow_rollout_engine": args.engine,
         "warmup": w,
         "trl_iter_s": mean(callback.trl_times[w:]),
         "hybridflow_iter_s": mean(callback.hf_times[w:]),
@@ -173,7 +176,7 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | --- |")
     print(f"| TRL 1.16 GRPOTrainer | {result['trl_iter_s']:.3f} | {result['trl_tokens_per_iter']:.0f} | "
           f"{result['trl_reward_last10']:.3f} |")
-    print(f"| hybridflow | {result['hybridflow_iter_s']:.3f} | {result['hybridflow_tokens_per_iter']:.0f} | "
+    print(f"| hybridflow ({args.engine} rollout) | {result['hybridflow_iter_s']:.3f} | {result['hybridflow_tokens_per_iter']:.0f} | "
           f"{result['hybridflow_reward_last10']:.3f} |")
     print(f"\nhybridflow / TRL iteration time: {result['ratio_hybridflow_over_trl']:.2f}")
     if args.json:
