@@ -103,9 +103,15 @@ def test_kill_during_checkpoint_save_leaves_previous_loadable(tmp_path):
             temps = list(root.glob(".tmp-*")) if root.is_dir() else []
             # Only once a complete checkpoint exists: the point is that it survives.
             if temps and complete_checkpoints(run_dir) and any(temps[0].glob("pool_default/rank_*")):
-                os.killpg(proc.pid, signal.SIGKILL)
-                caught = temps[0]
-                break
+                # Freeze everything first, then check the save is still half-written: on a busy
+                # box it can finish between the glob and the kill. If it did, thaw and wait for
+                # the next save (save_interval=1).
+                os.killpg(proc.pid, signal.SIGSTOP)
+                if temps[0].exists() and not (temps[0] / "meta.json").exists():
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    caught = temps[0]
+                    break
+                os.killpg(proc.pid, signal.SIGCONT)
             time.sleep(0.002)
     finally:
         if proc.poll() is None:
