@@ -1,8 +1,11 @@
 """Framework overhead: one GRPO iteration's compute in a plain process vs the full engine.
 
-    .venv/bin/python benchmarks/overhead.py [--iterations 30] [--warmup 5]
+    .venv/bin/python benchmarks/overhead.py [--iterations 30] [--warmup 5] [--workload tiny|peers]
 
-Both sides run the default graph (graphs/grpo.yaml) on ONE rank with two torch threads:
+Both sides run the default graph (graphs/grpo.yaml) on ONE rank with two torch threads, with the
+default tiny model (``tiny``: a ~0.2 s iteration, the worst case for a fixed per-call cost) or
+with benchmarks/peers.py's model and sampling (``peers``: hidden 256, 4 layers, 8 samples of up
+to 64 new tokens per prompt, for actor and reference alike):
 - plain: the worker class instantiated in this process (a one-rank gloo group), its op methods
   called in graph order with the batches merged by hand: no controller, no Ray, no scheduling;
 - engine: `hybridflow run`'s controller with a one-device pool (Ray actor, ShardedRefs, the
@@ -30,13 +33,25 @@ ROOT = Path(__file__).resolve().parent.parent
 POOLS = Path(__file__).resolve().parent / "one_rank_pool.yaml"
 
 
-def load(iterations: int):
+WORKLOADS = {
+    "tiny": [],
+    "peers": [
+        *(f"models.{model}.source.config.{key}={value}"
+          for model in ("actor", "ref")
+          for key, value in dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512,
+                                 num_attention_heads=4, num_key_value_heads=2).items()),
+        "models.actor.rollout.n=8", "data.max_response_length=64",
+    ],
+}
+
+
+def load(iterations: int, workload: str):
     from hybridflow.graph.dag import load_graph
 
     return load_graph(
         ROOT / "graphs" / "grpo.yaml",
         [f"trainer.iterations={iterations}", "trainer.val_interval=0", "trainer.progress=false",
-         "trainer.save_final=false"],
+         "trainer.save_final=false", *WORKLOADS[workload]],
         pools_file=POOLS,
     )
 
@@ -44,12 +59,12 @@ def load(iterations: int):
 class PlainPath:
     """The ops of one iteration, called directly on an in-process worker."""
 
-    def __init__(self, iterations: int):
+    def __init__(self, iterations: int, workload: str):
         from hybridflow.data.datasets import PromptDataset, load_prompt_rows
         from hybridflow.data.tasks import get_task
         from hybridflow.workers.model_worker import ModelWorker
 
-        self.graph = graph = load(iterations)
+        self.graph = graph = load(iterations, workload)
         spec = graph.spec
         tokenizer = get_task("copy").tokenizer()
         tok_dir = tempfile.mkdtemp(prefix="overhead-tok-")
@@ -89,15 +104,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
     args = parser.parse_args(argv)
     import torch
 
     from hybridflow.controller.trainer import Trainer
 
     torch.set_num_threads(2)
-    trainer = Trainer(load(args.iterations), run_dir=tempfile.mkdtemp(prefix="overhead-run-"))
+    trainer = Trainer(load(args.iterations, args.workload), run_dir=tempfile.mkdtemp(prefix="overhead-run-"))
     trainer._setup()
-    plain_path = PlainPath(args.iterations)
+    plain_path = PlainPath(args.iterations, args.workload)
     engine, plain, same = [], [], True
     try:
         for iteration in range(1, args.iterations + 1):

@@ -1,7 +1,7 @@
 """hybridflow vs TRL's GRPOTrainer on the same GRPO workload, iterations alternating in one run.
 
     make install-peers                      # .venv-peers: the project plus trl==1.16.0
-    .venv-peers/bin/python benchmarks/peers.py [--iterations 50] [--warmup 3] [--engine hf|vllm]
+    .venv-peers/bin/python benchmarks/peers.py [--iterations 50] [--warmup 3] [--engine hf|vllm] [--seeds 0 1 2]
 
 Workload (the same for both): a random-init Qwen2 built from one config (hidden 256, 4 layers,
 intermediate 512, 4 heads, 2 KV heads, tied embeddings), the built-in character tokenizer and
@@ -20,7 +20,10 @@ TRL runs in this process with two torch threads. Both see the same 2 cores.
 After each TRL step (generation + update, timed by a callback from step begin to step end) the
 callback runs one hybridflow iteration, so both share the machine's state over time. Prints mean
 iteration time of each after warm-up, their ratio, tokens generated, and mean reward over the
-last 10 iterations.
+last 10 iterations. With several ``--seeds`` the pair runs once per seed (model init, prompts
+and sampling seeded alike on both sides) and the table averages them: the reward after 50
+iterations of one seed varies by several hundredths between seeds, about the size of the
+margin being checked.
 """
 
 from __future__ import annotations
@@ -45,10 +48,10 @@ MODEL_CONFIG = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
-PROMPTS, SAMPLES, MAX_NEW_TOKENS, LR, SEED = 16, 8, 64, 1e-3, 0
+PROMPTS, SAMPLES, MAX_NEW_TOKENS, LR = 16, 8, 64, 1e-3
 
 
-def hybridflow_trainer(run_dir: Path, iterations: int, engine: str):
+def hybridflow_trainer(run_dir: Path, iterations: int, engine: str, seed: int):
     from hybridflow.controller.trainer import Trainer
     from hybridflow.graph.builder import GraphBuilder
 
@@ -69,14 +72,14 @@ def hybridflow_trainer(run_dir: Path, iterations: int, engine: str):
     g.node("update_actor", "update", model="actor", inputs=["responses", "advantages"], outputs=[],
            clip_ratio=0.2, kl_coef=0.0, mini_batches=1)
     g.data(source="builtin:copy", prompts_per_iteration=PROMPTS, max_prompt_length=8,
-           max_response_length=MAX_NEW_TOKENS, seed=SEED)
-    g.trainer(iterations=iterations, seed=SEED, val_interval=0, progress=False, save_final=False)
+           max_response_length=MAX_NEW_TOKENS, seed=seed)
+    g.trainer(iterations=iterations, seed=seed, val_interval=0, progress=False, save_final=False)
     trainer = Trainer(g.build(), run_dir=str(run_dir))
     trainer._setup()
     return trainer
 
 
-def trl_trainer(out_dir: Path, iterations: int, callback):
+def trl_trainer(out_dir: Path, iterations: int, callback, seed: int):
     from datasets import Dataset
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from trl import GRPOConfig, GRPOTrainer
@@ -89,9 +92,9 @@ def trl_trainer(out_dir: Path, iterations: int, callback):
     config = Qwen2Config(**(TINY_QWEN2 | MODEL_CONFIG), vocab_size=len(tokenizer),
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                          bos_token_id=None)
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    rows = task.make_prompts(2000, SEED)
+    rows = task.make_prompts(2000, seed)
     dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in rows])
 
     def reward(prompts, completions, ground_truth, completion_ids, **_):
@@ -107,7 +110,7 @@ def trl_trainer(out_dir: Path, iterations: int, callback):
         epsilon=0.2, loss_type="dapo", scale_rewards="group", learning_rate=LR, adam_beta1=0.9,
         adam_beta2=0.999, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0,
         max_grad_norm=1.0, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-        bf16=False, seed=SEED, disable_dropout=True, dataloader_num_workers=0,
+        bf16=False, seed=seed, disable_dropout=True, dataloader_num_workers=0,
     )
     return GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
                        processing_class=tokenizer, callbacks=[callback])
@@ -121,16 +124,16 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--engine", choices=["hf", "vllm"], default="hf",
                         help="hybridflow's rollout engine (TRL always generates with transformers)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="one alternating pair of runs per seed; the table averages them")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     from transformers import TrainerCallback
 
-    work = Path(tempfile.mkdtemp(prefix="peers-"))
-    hf = hybridflow_trainer(work / "hybridflow", args.iterations, args.engine)
-
     class Alternate(TrainerCallback):
-        def __init__(self):
+        def __init__(self, hf):
+            self.hf = hf
             self.trl_times, self.trl_rewards, self.trl_tokens = [], [], []
             self.hf_times, self.hf_rewards, self.hf_tokens = [], [], []
 
@@ -141,37 +144,54 @@ def main(argv=None) -> int:
             self.trl_times.append(time.perf_counter() - self._start)
             iteration = len(self.hf_times) + 1
             start = time.perf_counter()
-            metrics = hf.step(iteration)
+            metrics = self.hf.step(iteration)
             self.hf_times.append(time.perf_counter() - start)
             self.hf_rewards.append(metrics["reward/mean"])
             self.hf_tokens.append(metrics["rollout/num_tokens"])
             print(f"iter {iteration:3d}  trl {self.trl_times[-1]:6.2f}s r={self.trl_rewards[-1]:.3f}  "
                   f"hybridflow {self.hf_times[-1]:6.2f}s r={self.hf_rewards[-1]:.3f}", flush=True)
 
-    callback = Alternate()
-    trainer = trl_trainer(work / "trl", args.iterations, callback)
-    try:
-        trainer.train()
-    finally:
-        hf.shutdown()
+    work = Path(tempfile.mkdtemp(prefix="peers-"))
+    runs = []
+    for seed in args.seeds:
+        hf = hybridflow_trainer(work / f"hybridflow-{seed}", args.iterations, args.engine, seed)
+        callback = Alternate(hf)
+        trainer = trl_trainer(work / f"trl-{seed}", args.iterations, callback, seed)
+        try:
+            trainer.train()
+        finally:
+            hf.shutdown()
+        runs.append(callback)
 
     w, last = args.warmup, 10
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    over_runs = lambda get: mean([get(run) for run in runs])  # noqa: E731
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()} cores, torch {torch.__version__}",
         "iterations": args.iterations,
+        "seeds": args.seeds,
         "hybridflow_rollout_engine": args.engine,
         "warmup": w,
-        "trl_iter_s": mean(callback.trl_times[w:]),
-        "hybridflow_iter_s": mean(callback.hf_times[w:]),
-        "trl_tokens_per_iter": mean(callback.trl_tokens[w:]),
-        "hybridflow_tokens_per_iter": mean(callback.hf_tokens[w:]),
-        "trl_reward_last10": mean(callback.trl_rewards[-last:]),
-        "hybridflow_reward_last10": mean(callback.hf_rewards[-last:]),
+        "trl_iter_s": over_runs(lambda r: mean(r.trl_times[w:])),
+        "hybridflow_iter_s": over_runs(lambda r: mean(r.hf_times[w:])),
+        "trl_tokens_per_iter": over_runs(lambda r: mean(r.trl_tokens[w:])),
+        "hybridflow_tokens_per_iter": over_runs(lambda r: mean(r.hf_tokens[w:])),
+        "trl_reward_last10": over_runs(lambda r: mean(r.trl_rewards[-last:])),
+        "hybridflow_reward_last10": over_runs(lambda r: mean(r.hf_rewards[-last:])),
+        "per_seed": [
+            {"seed": seed, "trl_iter_s": mean(r.trl_times[w:]), "hybridflow_iter_s": mean(r.hf_times[w:]),
+             "trl_reward_last10": mean(r.trl_rewards[-last:]),
+             "hybridflow_reward_last10": mean(r.hf_rewards[-last:])}
+            for seed, r in zip(args.seeds, runs)
+        ],
     }
     result["ratio_hybridflow_over_trl"] = result["hybridflow_iter_s"] / result["trl_iter_s"]
     print()
+    for run in result["per_seed"]:
+        print(f"seed {run['seed']}: iteration TRL {run['trl_iter_s']:.3f} s, hybridflow "
+              f"{run['hybridflow_iter_s']:.3f} s; reward (last 10) TRL {run['trl_reward_last10']:.3f}, "
+              f"hybridflow {run['hybridflow_reward_last10']:.3f}")
     print("| system | mean iteration (s) | tokens generated / iteration | mean reward, last 10 |")
     print("| --- | --- | --- | --- |")
     print(f"| TRL 1.16 GRPOTrainer | {result['trl_iter_s']:.3f} | {result['trl_tokens_per_iter']:.0f} | "

@@ -155,14 +155,14 @@ def _argmax_decode(model, prompt_ids, prompt_mask, num_tokens):
 
 def test_greedy_generate_equals_argmax_decode():
     # Untied: a random tied tiny model greedily repeats its last prompt token, a weak test.
-    model = build_causal_lm(ModelSource(config={"tie_word_embeddings": False}), VOCAB, PAD, EOS, 1)
+    model = build_causal_lm(ModelSource(config={"tie_word_embeddings": False}), VOCAB, PAD, EOS, 5)
     rollout = HFRolloutEngine(model, eos_id=EOS, pad_id=PAD)
     out = rollout.generate(_prompts(), SamplingParams(n=2, greedy=True, max_new_tokens=6))
     prompts = _prompts()
     expected = _argmax_decode(model.eval(), prompts[K.PROMPT_IDS], prompts[K.PROMPT_MASK], 6)
     assert torch.equal(out[K.RESPONSES][0::2], expected)
     assert torch.equal(out[K.RESPONSES][1::2], expected)
-    assert out[K.TRUNCATED][0::2].tolist() == [True, False, True]
+    assert out[K.TRUNCATED][0::2].tolist() == [True, True, False]  # both kinds, for this seed
 
 
 def _sample(rollout: HFRolloutEngine) -> TensorDict:
@@ -214,7 +214,7 @@ def _nll_loss(mb: TensorDict, out: dict[str, torch.Tensor]):
 
 def test_train_steps_lower_the_loss():
     batch = _rollout_batch()
-    spec = TrainEngineSpec(micro_batch_size=4, optim=OptimSpec(lr=1e-2))
+    spec = TrainEngineSpec(micro_batch_size=4, optim=OptimSpec(lr=5e-3))
     engine = TorchTrainEngine(_model(seed=2), spec)
     before = [p.detach().clone() for p in engine.module.parameters()]
     losses = [engine.train_step(batch, _nll_loss)["loss"] for _ in range(5)]

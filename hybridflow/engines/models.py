@@ -24,7 +24,7 @@ from hybridflow.spec.graph import ModelSource
 TINY_QWEN2: dict = dict(
     hidden_size=64,
     num_hidden_layers=2,
-    num_attention_heads=4,
+    num_attention_heads=2,  # head size 32: the smallest vLLM's CPU attention kernel takes
     num_key_value_heads=2,
     intermediate_size=128,
     max_position_embeddings=128,

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hybridflow.algos import entropy_from_logits, log_probs_from_logits
 from hybridflow.data import keys as K
 from hybridflow.engines.base import LossFn, TrainEngine
+from hybridflow.engines.packing import pack
 from hybridflow.spec.graph import OptimSpec, TrainEngineSpec
 
 ModelKind = Literal["policy", "value"]
@@ -116,27 +117,38 @@ class TorchTrainEngine(TrainEngine):
         responses = mb[K.RESPONSES]
         response_mask = mb[K.RESPONSE_MASK]
         num_response_tokens = responses.shape[1]
-        inputs = dict(
-            input_ids=mb[K.INPUT_IDS],
-            attention_mask=mb[K.ATTENTION_MASK],
-            position_ids=mb[K.POSITION_IDS],
-            use_cache=False,
-        )
+        tail = self._tail_outputs(module, mb, num_response_tokens + 1)  # (B, R + 1, D)
         if self.kind == "value":
-            out = module(**inputs).logits  # (B, T, 1)
-            values = out[:, -num_response_tokens - 1 : -1, 0].float()
+            values = tail[:, :-1, 0].float()
             # A reward model scores the whole text: its output at the last valid token itself.
             last = (response_mask.sum(-1) - 1).clamp(min=0)
-            last_values = out[:, -num_response_tokens:, 0].float().gather(1, last[:, None])[:, 0]
+            last_values = tail[:, 1:, 0].float().gather(1, last[:, None])[:, 0]
             return {K.VALUES: values * response_mask, "last_values": last_values}
-        # Only the last R + 1 positions go through the LM head.
-        logits = module(**inputs, logits_to_keep=num_response_tokens + 1).logits[:, :-1]
+        logits = tail[:, :-1]
         logits = logits / temperature
         mask = response_mask.to(torch.float32)
         return {
             "log_probs": log_probs_from_logits(logits, responses) * mask,
             "entropy": entropy_from_logits(logits) * mask,
         }
+
+    def _tail_outputs(self, module: nn.Module, mb: TensorDict, num_tail: int) -> torch.Tensor:
+        """The model's outputs (logits or values) at the last ``num_tail`` padded positions."""
+        if not self.spec.remove_padding:
+            # A causal LM runs only the last positions through its head.
+            keep = {"logits_to_keep": num_tail} if self.kind == "policy" else {}
+            return module(
+                input_ids=mb[K.INPUT_IDS],
+                attention_mask=mb[K.ATTENTION_MASK],
+                position_ids=mb[K.POSITION_IDS],
+                use_cache=False,
+                **keep,
+            ).logits[:, -num_tail:]
+        packed = pack(mb[K.INPUT_IDS], mb[K.ATTENTION_MASK], mb[K.POSITION_IDS], num_tail)
+        out = module(
+            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
+        ).logits
+        return out.flatten(0, 1)[packed.index]
 
     @torch.no_grad()
     def forward(self, batch: TensorDict, temperature: float = 1.0) -> dict[str, torch.Tensor]:

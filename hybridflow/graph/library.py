@@ -20,13 +20,14 @@ COPY_REWARD = "hybridflow.data.tasks:copy_reward"
 LETTER_COST = "hybridflow.data.tasks:letter_cost"
 ACTOR_TRAIN = {"micro_batch_size": 64, "optim": {"lr": 0.001, "grad_clip": 1.0}}
 CRITIC_TRAIN = {"micro_batch_size": 64, "optim": {"lr": 0.001, "grad_clip": 1.0}}
+REF_TRAIN = {"micro_batch_size": 64}
 POOL_FILE = "resource_pools/local_cpu.yaml"
 
 
 def _policy_models(g: GraphBuilder, source: dict, n: int, reward_fn: str) -> None:
     g.model("actor", role="actor", source=source, train=ACTOR_TRAIN,
             rollout={"engine": "hf", "n": n, "temperature": 1.0})
-    g.model("ref", role="ref", source=source)
+    g.model("ref", role="ref", source=source, train=REF_TRAIN)
     g.model("reward", role="reward", source={"rule": reward_fn})
 
 

@@ -99,6 +99,12 @@ class TrainEngineSpec(Spec):
         16, ge=1, description="Samples per forward/backward on one device."
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
+    remove_padding: bool = Field(
+        True,
+        description="Torch engine: pack each micro-batch's sequences into rows without padding "
+        "(block-diagonal attention from restarting position ids); false = padded forward. The "
+        "megatron engine always runs padded.",
+    )
     optim: OptimSpec = Field(default_factory=OptimSpec, description="Used by update nodes.")
 
 
