@@ -15,7 +15,15 @@ One GRPO iteration, as the shipped graph draws it (``hybridflow graph graphs/grp
 The executor submits every node whose producers have finished, then waits for the next node to
 finish. Nodes on disjoint pools therefore overlap; nodes sharing a pool queue on the same Ray
 actors and run one after another. ``serial=True`` submits one node at a time instead (for
-measuring what the overlap buys: benchmarks/placement_concurrency.py). What moves between nodes are ``ShardedRef``s: object refs of
+measuring what the overlap buys: benchmarks/placement_concurrency.py).
+
+Submitting ahead: a node whose producers are still running on the *same* worker group is
+submitted at once when the producers' output sizes are known in advance (a DP_SPLIT call on an
+evenly divisible batch: every rank returns its input rows times the op's expansion). An actor
+runs its calls in submission order, so the consumer's rank r finds producer rank r's output
+ready when it starts, and the controller's round trip between the two (a wake-up, a meta fetch,
+a submission: a few ms per node) leaves the critical path. The sizes are checked against the
+producers' metas when they finish. What moves between nodes are ``ShardedRef``s: object refs of
 per-rank TensorDict shards that the consuming workers fetch themselves. The controller only ever
 fetches the small per-rank meta dicts (sample counts, metrics, start/end times), through
 ``controller_get``; ``controller/fetched_tensor_bytes`` is what it materialised in tensors during
@@ -36,7 +44,7 @@ import ray
 from hybridflow.controller.metrics import reduce_metas
 from hybridflow.graph.dag import SOURCE, Graph, Node
 from hybridflow.workers.group import WorkerGroup
-from hybridflow.workers.protocols import ShardedRef, controller_get, fetched_tensor_bytes
+from hybridflow.workers.protocols import Dispatch, ShardedRef, controller_get, fetched_tensor_bytes
 
 FETCHED_BYTES_METRIC = "controller/fetched_tensor_bytes"
 
@@ -88,6 +96,31 @@ def _output_group_size(graph: Graph, node: Node, input_group_size: int) -> int:
     return input_group_size
 
 
+@dataclass
+class _Pending:
+    handle: object  # PendingShards
+    started: float
+    group_size: int  # of the node's output
+    group: WorkerGroup
+    # The output's shard sizes when known before it finishes (see "Submitting ahead").
+    ahead: ShardedRef | None
+
+
+def _predict_output(
+    graph: Graph, node: Node, group: WorkerGroup, method: str, inputs: list[ShardedRef],
+    input_group_size: int, handle,
+) -> ShardedRef | None:
+    """The output ShardedRef of a just-submitted DP_SPLIT call, when no rank gets padding."""
+    if group.dispatch_of(method) != Dispatch.DP_SPLIT or len(handle.data_refs) != group.world_size:
+        return None
+    total = inputs[0].total
+    if total % (input_group_size * group.world_size):
+        return None  # uneven: padded ranks report fewer real rows
+    expansion = _output_group_size(graph, node, 1) if node.op == "generate" else 1  # rows out per row in
+    rows = total // group.world_size * expansion
+    return ShardedRef(refs=list(handle.data_refs), sizes=[rows] * group.world_size)
+
+
 def run_nodes(
     graph: Graph,
     nodes: list[Node],
@@ -106,43 +139,59 @@ def run_nodes(
     results: dict[str, NodeResult] = {
         SOURCE: NodeResult(prompts, 1, [], time.perf_counter(), time.perf_counter())
     }
-    pending: dict[str, tuple[object, float, int]] = {}  # name -> (PendingShards, start, group size)
+    pending: dict[str, _Pending] = {}
     remaining = list(nodes)
-    by_name = {n.name: n for n in nodes}
 
     def producers_of(node: Node) -> list[str]:
         return list(dict.fromkeys(graph.producers(node).values()))
+
+    def input_of(src: str, group: WorkerGroup) -> tuple[ShardedRef, int] | None:
+        """A producer's output and its group size, if this node may read it now."""
+        if src in results:
+            return results[src].data, results[src].group_size
+        waiting = pending.get(src)
+        if not serial and waiting is not None and waiting.ahead is not None and waiting.group is group:
+            return waiting.ahead, waiting.group_size
+        return None
 
     while remaining or pending:
         for node in list(remaining):
             if serial and pending:
                 break
-            srcs = producers_of(node)
-            if not all(src in results for src in srcs):
+            group = groups[graph.placement[node.model]]
+            inputs = [input_of(src, group) for src in producers_of(node)]
+            if any(item is None for item in inputs):
                 continue
             method, kwargs = _call_args(graph, node)
-            group_size = max(results[s].group_size for s in srcs)
-            group = groups[graph.placement[node.model]]
-            handle = group.call(
-                method, [results[s].data for s in srcs], group_size=group_size, **kwargs
+            group_size = max(size for _, size in inputs)
+            data = [sharded for sharded, _ in inputs]
+            if group.dispatch_of(method) in (Dispatch.DP_SPLIT, Dispatch.DP_3D):
+                # Per-sample strings (prompt text, ground truth): read by rules, carried by generate.
+                kwargs["with_text"] = node.op in ("score", "generate")
+            handle = group.call(method, data, group_size=group_size, **kwargs)
+            pending[node.name] = _Pending(
+                handle, time.perf_counter(), _output_group_size(graph, node, group_size), group,
+                _predict_output(graph, node, group, method, data, group_size, handle),
             )
-            pending[node.name] = (handle, time.perf_counter(), group_size)
             remaining.remove(node)
         if not pending:
             raise RuntimeError(f"nodes {[n.name for n in remaining]} can never run")
-        all_refs = [ref for handle, _, _ in pending.values() for ref in handle.meta_refs]
+        all_refs = [ref for waiting in pending.values() for ref in waiting.handle.meta_refs]
         ray.wait(all_refs, num_returns=1)
-        for name, (handle, started, group_size) in list(pending.items()):
+        for name, waiting in list(pending.items()):
+            handle = waiting.handle
             ready, _ = ray.wait(handle.meta_refs, num_returns=len(handle.meta_refs), timeout=0)
             if len(ready) < len(handle.meta_refs):
                 continue
             data, metas = handle.result()
+            if waiting.ahead is not None and data.sizes != waiting.ahead.sizes:
+                raise RuntimeError(
+                    f"node {name!r} returned shards of {data.sizes} samples; its consumers were "
+                    f"submitted ahead for {waiting.ahead.sizes}"
+                )
             rank_refs = handle.all_meta_refs  # every rank's meta, for the timeline
             rank_metas[name] = controller_get(list(rank_refs)) if rank_refs else metas
-            node = by_name[name]
-            results[name] = NodeResult(
-                data, _output_group_size(graph, node, group_size), metas, started, time.perf_counter()
-            )
+            results[name] = NodeResult(data, waiting.group_size, metas, waiting.started, time.perf_counter())
             del pending[name]
 
     for node in nodes:
