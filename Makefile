@@ -29,8 +29,8 @@ install-peers:
 	.venv-peers/bin/pip install -e '.[dev,vllm]' trl==1.16.0
 	.venv-peers/bin/pip uninstall -y torchvision torchaudio torchcodec
 
-bench-peers:
-	.venv-peers/bin/python benchmarks/peers.py
+bench-peers:  ## hybridflow (vLLM rollout) vs TRL, 3 seeds (~7 min idle); --engine hf for transformers
+	.venv-peers/bin/python benchmarks/peers.py --engine vllm --seeds 0 1 2
 
 docs:  ## regenerate docs/graph-file.md, docs/pool-file.md and docs/schema/ from the spec models
 	$(BIN)/hybridflow docs
