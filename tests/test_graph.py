@@ -79,6 +79,19 @@ def test_validation_errors_name_file_and_field(tmp_path, edit, field, expected):
     assert expected in message
 
 
+def test_inputs_at_different_samples_per_prompt_are_refused():
+    """ReMax's greedy baseline is one sample per prompt; with rollout.n=2 the advantage node would
+    read 2 sampled rows against 1 baseline row per prompt."""
+    path = ROOT / "graphs" / "remax.yaml"
+    load_graph(path)  # n: 1 as shipped
+    with pytest.raises(SpecError) as info:
+        load_graph(path, ["models.actor.rollout.n=2"])
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path}: nodes[6].inputs: node 'advantage' reads inputs at different samples"), message
+    assert "'baseline_scores' from 'baseline_reward': 1" in message and "'responses' from 'generate': 2" in message
+
+
 def test_overrides_by_path_index_and_node_name():
     raw = yaml.safe_load(GRPO.read_text())
     out = apply_overrides(

@@ -132,6 +132,36 @@ def _build_dag(nodes: list[Node], file: str) -> nx.DiGraph:
     raise SpecError(file, "nodes", f"the graph has a cycle: {path}")
 
 
+def _check_samples_per_prompt(spec: GraphSpec, nodes: list[Node], dag: nx.DiGraph, file: str) -> None:
+    """Every node's inputs must come at one number of samples per prompt (a node reads row i of
+    each input as the same sample): ReMax's greedy baseline (1 per prompt) cannot meet n > 1
+    sampled responses, for instance."""
+    index = {node.name: i for i, node in enumerate(nodes)}
+    by_name = {node.name: node for node in nodes}
+    per_prompt = {SOURCE: 1}
+    for name in nx.topological_sort(dag):
+        if name == SOURCE:
+            continue
+        node = by_name[name]
+        sources = {src: per_prompt[src] for src in dag.predecessors(name)}
+        if len(set(sources.values())) > 1:
+            found = ", ".join(
+                f"{key!r} from {src!r}: {sources[src]}"
+                for src in sources for key in dag.edges[src, name]["keys"]
+            )
+            raise SpecError(
+                file,
+                f"nodes[{index[name]}].inputs",
+                f"node {name!r} reads inputs at different samples per prompt ({found}); "
+                "every input of a node must have the same (check models.<actor>.rollout.n and "
+                "greedy generate nodes)",
+            )
+        if node.op == "generate":
+            per_prompt[name] = 1 if node.spec.options.greedy else spec.models[node.model].rollout.n
+        else:
+            per_prompt[name] = max(sources.values(), default=1)
+
+
 def _resolve_placement(
     spec: GraphSpec, pools: dict[str, PoolSpec], file: str, pool_file: str
 ) -> tuple[dict[str, str], dict[str, ParallelLayout]]:
@@ -197,6 +227,7 @@ def build_graph(
         raise SpecError(file, "models", f"one actor per graph, found {actors}")
     nodes = _resolve_nodes(spec, file)
     dag = _build_dag(nodes, file)
+    _check_samples_per_prompt(spec, nodes, dag, file)
     order = [n for n in nx.topological_sort(dag) if n != SOURCE]
     by_name = {n.name: n for n in nodes}
     pool_path = resolve_relative(str(pools_file or spec.resources), file if Path(file).is_file() else None)
