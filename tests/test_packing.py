@@ -12,7 +12,7 @@ from hybridflow.engines.base import SamplingParams
 from hybridflow.engines.hf_rollout import HFRolloutEngine
 from hybridflow.engines.models import build_causal_lm, build_value_model
 from hybridflow.engines.packing import pack
-from hybridflow.engines.torch_engine import TorchTrainEngine
+from hybridflow.engines.torch_engine import TorchTrainEngine, check_packing
 from hybridflow.spec.graph import ModelSource, OptimSpec, TrainEngineSpec
 
 PAD, EOS, VOCAB = 0, 1, 12
@@ -119,3 +119,24 @@ def test_without_the_packed_mask_samples_would_leak():
         plain = torch.arange(packed.input_ids.shape[1]).expand_as(packed.input_ids)
         leaky = model(input_ids=packed.input_ids, position_ids=plain).logits
     assert (good - leaky).abs().max().item() > 1e-3
+
+
+class _IgnoresPositions(torch.nn.Module):
+    """A model that numbers every row 0..W-1 itself: packed samples would attend to each other."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+        if attention_mask is None:
+            position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+
+
+def test_a_model_that_ignores_packing_is_refused():
+    model = build_causal_lm(TINY, VOCAB, PAD, EOS, seed=2)
+    check_packing(model)  # a transformers model passes
+    with pytest.raises(ValueError, match="does not keep packed sequences apart.*remove_padding: false"):
+        TorchTrainEngine(_IgnoresPositions(model), TrainEngineSpec())
+    TorchTrainEngine(_IgnoresPositions(model), TrainEngineSpec(remove_padding=False))  # padded: fine

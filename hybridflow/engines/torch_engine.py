@@ -46,6 +46,41 @@ def lr_factor(step: int, optim: OptimSpec, total_steps: int) -> float:
     return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * cosine
 
 
+@torch.no_grad()
+def check_packing(model: nn.Module) -> None:
+    """Refuse a model whose forward does not keep packed sequences apart.
+
+    Packing relies on the model building its attention mask from restarting position ids (as
+    transformers' own architectures do when no mask is passed). A model that ignores them would
+    let samples attend to each other without any error, so two short probe sequences go through
+    the model padded and packed, and their outputs must agree.
+    """
+    device = next(model.parameters()).device
+    vocab = getattr(model.config, "vocab_size", 2)
+    # Lengths 3 and 5 in a width of 8: packed, both share one row.
+    ids = (torch.arange(16, device=device).reshape(2, 8) * 7 + 3) % vocab
+    mask = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1, 1]], device=device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    was_training = model.training
+    model.eval()
+    try:
+        padded = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        packed = pack(ids.cpu(), mask.cpu(), positions.cpu(), num_tail=3)
+        out = model(
+            input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device),
+            use_cache=False,
+        ).logits
+    finally:
+        model.train(was_training)
+    diff = (out.flatten(0, 1)[packed.index.to(device)] - padded[:, -3:]).abs().max().item()
+    tolerance = 1e-3 if padded.dtype == torch.float32 else 5e-2
+    if not diff <= tolerance:
+        raise ValueError(
+            f"train.remove_padding: {type(model).__name__} does not keep packed sequences apart "
+            f"(packed vs padded outputs differ by {diff:.2g}); set remove_padding: false for it"
+        )
+
+
 class TorchTrainEngine(TrainEngine):
     """A transformers model (or any module with an HF-style forward) trained with AdamW.
 
@@ -80,6 +115,8 @@ class TorchTrainEngine(TrainEngine):
         self.spec = spec
         self.kind: ModelKind = kind
         self.module = model
+        if spec.remove_padding:
+            check_packing(model)
         self.process_group = process_group
         distributed = dist.is_available() and dist.is_initialized()
         self.dp_size = dist.get_world_size(process_group) if distributed else 1
