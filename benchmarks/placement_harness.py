@@ -3,9 +3,10 @@
     python benchmarks/placement_harness.py [--devices 3] [--rounds 7] [--iters 2]
     python benchmarks/placement_harness.py --analyze benchmarks/results/placement_harness_raw.json
 
-1. Calibration (single-node, colocated on ONE device, three batch shapes): per-node times and
-   iteration times -> ``calibrate`` fits the CPU profile's effective rates and per-call
-   overheads. No placement comparison is part of it.
+1. Calibration (single-node, every model colocated on one pool: three batch shapes on ONE
+   device, two on TWO devices): per-node times and iteration times -> ``calibrate`` fits the
+   CPU profile's effective rates and per-call overheads. No placement comparison is part of it
+   (the compared placements use ``--devices`` devices, 3 by default).
 2. Predictions: the calibrated simulator scores every placement of actor / ref / reward on
    ``--devices`` CPU devices (worker processes) -- every partition into colocated sets and every
    allocation of the devices -- and the auto-mapper picks one.
@@ -88,9 +89,12 @@ QUIET = [
     "trainer.sample_interval=0",
     "trainer.log_interval=100000",
 ]
-# Batch shapes of the calibration runs (prompts, actor micro-batch): different sample counts
-# and micro-batch counts so per-call overheads and per-FLOP rates separate.
-CALIBRATION_SHAPES = [(12, 64), (6, 64), (12, 16)]
+# Calibration runs (prompts, actor micro-batch, devices): every model colocated on one pool of
+# ``devices`` ranks. Different sample counts and micro-batch counts separate per-call overheads
+# from per-FLOP rates; the 2-rank runs show how much of each op data parallelism removes (at
+# this size, little: per-step and per-call costs do not shrink with a rank's share). None of
+# them is a placement the harness compares (those use 3 devices).
+CALIBRATION_SHAPES = [(12, 64, 1), (6, 64, 1), (12, 16, 1), (12, 64, 2), (24, 64, 2)]
 
 
 def _spec(prompts: int, micro_batch: int | None = None, extra: list[str] = ()):
@@ -131,14 +135,16 @@ def _step(trainer, counter: list[int]) -> dict:
 # -- 1. calibration -------------------------------------------------------------------------------
 
 
-def run_calibration(tmp: Path, warmup: int, iters: int, log) -> tuple[object, list[dict]]:
+def run_calibration(tmp: Path, warmup: int, iters: int, log, max_devices: int) -> tuple[object, list[dict]]:
+    """Fit the CPU profile; only runs on fewer devices than the compared placements use."""
     measurements, rows = [], []
     base = get_profile("cpu")
     sim_graph = None
-    for prompts, micro in CALIBRATION_SHAPES:
+    for prompts, micro, devices in [s for s in CALIBRATION_SHAPES if s[2] == 1 or s[2] < max_devices]:
+        tag = f"calib{prompts}_{micro}_{devices}"
         spec = _spec(prompts, micro)
-        graph = _graph(spec, {"calib": _pool(1)}, {m: "calib" for m in MODELS}, tmp, f"calib{prompts}_{micro}")
-        trainer = _trainer(graph, tmp, f"calib{prompts}_{micro}")
+        graph = _graph(spec, {"calib": _pool(devices)}, {m: "calib" for m in MODELS}, tmp, tag)
+        trainer = _trainer(graph, tmp, tag)
         counter = [0]
         try:
             for _ in range(warmup):
@@ -148,8 +154,9 @@ def run_calibration(tmp: Path, warmup: int, iters: int, log) -> tuple[object, li
             trainer.shutdown()
         pg = plan_graph(graph)
         sim_graph = pg
-        mapper = AutoMapper(pg, base, 1, 1)
-        layout = Layout(1, 1, 1, 1, 1)
+        mapper = AutoMapper(pg, base, devices, devices)
+        layout = Layout(d=devices)  # each rank's share of the work
+        shape = f"P={prompts} mb={micro} ranks={devices}"
         iteration_work: dict[str, float] = {}
         for node in pg.nodes:
             work = mapper.node_work(node, layout, mapper.sim.usable_memory())
@@ -157,12 +164,12 @@ def run_calibration(tmp: Path, warmup: int, iters: int, log) -> tuple[object, li
                 iteration_work[k] = iteration_work.get(k, 0.0) + v
             op_work = {k: v for k, v in work.items() if k != "overhead:dispatch"}
             seconds = statistics.median(h[f"timing/{node.name}"] for h in history)
-            measurements.append(Measurement(op_work, seconds, f"{node.name} P={prompts} mb={micro}"))
-            rows.append({"shape": f"P={prompts} mb={micro}", "node": node.name, "seconds": seconds})
+            measurements.append(Measurement(op_work, seconds, f"{node.name} {shape}"))
+            rows.append({"shape": shape, "node": node.name, "seconds": seconds})
         seconds = statistics.median(h["timing/iteration"] for h in history)
-        measurements.append(Measurement(iteration_work, seconds, f"iteration P={prompts} mb={micro}"))
-        rows.append({"shape": f"P={prompts} mb={micro}", "node": "iteration", "seconds": seconds})
-        log(f"calibration P={prompts} mb={micro}: iteration {seconds:.3f} s")
+        measurements.append(Measurement(iteration_work, seconds, f"iteration {shape}"))
+        rows.append({"shape": shape, "node": "iteration", "seconds": seconds})
+        log(f"calibration {shape}: iteration {seconds:.3f} s")
     mapper = AutoMapper(sim_graph, base, 1, 1)
     profile = calibrate(mapper.sim, measurements)
     fitted = AutoMapper(sim_graph, profile, 1, 1).sim
@@ -255,7 +262,7 @@ def measure(args, out: Path) -> dict:
 
     log(f"code: {Path(hybridflow.__file__).parent} (snapshot of {ROOT / 'hybridflow'})")
     tmp = Path(tempfile.mkdtemp(prefix="placement_harness_"))
-    profile, calibration_rows = run_calibration(tmp, args.warmup, max(args.iters, 5), log)
+    profile, calibration_rows = run_calibration(tmp, args.warmup, max(args.iters, 5), log, args.devices)
     profile_file = out / "cpu_calibrated.yaml"
     save_profile(profile, profile_file)
     log(f"calibrated profile -> {profile_file}")
