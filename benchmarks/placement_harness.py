@@ -1,12 +1,13 @@
 """Placement harness: the GRPO graph under every placement, for real on CPU, vs the simulator.
 
-    python benchmarks/placement_harness.py [--devices 3] [--rounds 7] [--iters 2]
+    python benchmarks/placement_harness.py [--devices 3] [--rounds 7] [--iters 2] [--model wide|tiny]
     python benchmarks/placement_harness.py --analyze benchmarks/results/placement_harness_raw.json
 
 1. Calibration (single-node, every model colocated on one pool: three batch shapes on ONE
-   device, two on TWO devices): per-node times and iteration times -> ``calibrate`` fits the
-   CPU profile's effective rates and per-call overheads. No placement comparison is part of it
-   (the compared placements use ``--devices`` devices, 3 by default).
+   device, two on TWO devices, one on THREE at another prompt count): per-node and iteration
+   times -> ``calibrate`` fits the CPU profile's effective rates and per-call overheads, and
+   ``fit_oversubscription`` its slow-down beyond the physical cores. No placement comparison is
+   part of it (the compared placements run ``--prompts`` prompts on ``--devices`` devices).
 2. Predictions: the calibrated simulator scores every placement of actor / ref / reward on
    ``--devices`` CPU devices (worker processes) -- every partition into colocated sets and every
    allocation of the devices -- and the auto-mapper picks one.
@@ -75,7 +76,13 @@ from hybridflow.placement.automapper import (  # noqa: E402
     plan_graph,
 )
 from hybridflow.placement.profiles import get_profile, save_profile  # noqa: E402
-from hybridflow.placement.simulator import Layout, Measurement, all_partitions, calibrate  # noqa: E402
+from hybridflow.placement.simulator import (  # noqa: E402
+    Layout,
+    Measurement,
+    all_partitions,
+    calibrate,
+    fit_oversubscription,
+)
 from hybridflow.spec.loading import load_graph_spec  # noqa: E402
 
 GRAPH = ROOT / "graphs" / "grpo.yaml"
@@ -92,13 +99,26 @@ QUIET = [
 # Calibration runs (prompts, actor micro-batch, devices): every model colocated on one pool of
 # ``devices`` ranks. Different sample counts and micro-batch counts separate per-call overheads
 # from per-FLOP rates; the 2-rank runs show how much of each op data parallelism removes (at
-# this size, little: per-step and per-call costs do not shrink with a rank's share). None of
-# them is a placement the harness compares (those use 3 devices).
-CALIBRATION_SHAPES = [(12, 64, 1), (6, 64, 1), (12, 16, 1), (12, 64, 2), (24, 64, 2)]
+# this size, little: per-step and per-call costs do not shrink with a rank's share). A run on
+# more ranks than physical cores fits the profile's oversubscription exponent instead (three
+# ranks on two cores cost more than a fair share: ranks waiting on each other time-slice).
+# None of them is a placement the harness compares (those run --prompts prompts, 12, on
+# --devices devices, 3): a shape on as many devices uses another prompt count.
+CALIBRATION_SHAPES = [(12, 64, 1), (6, 64, 1), (12, 16, 1), (12, 64, 2), (24, 64, 2), (24, 64, 3)]
+
+
+# --model: the default graph's tiny model, or a wider one (benchmarks/peers.py's) whose ops are
+# compute-bound enough on CPU that data parallelism pays, so placements differ by more than noise.
+MODELS_CONFIG = {
+    "tiny": {},
+    "wide": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512,
+                 num_attention_heads=4, num_key_value_heads=2),
+}
+MODEL_OVERRIDES: list[str] = []  # set from --model in main()
 
 
 def _spec(prompts: int, micro_batch: int | None = None, extra: list[str] = ()):
-    overrides = [f"data.prompts_per_iteration={prompts}", *QUIET, *extra]
+    overrides = [f"data.prompts_per_iteration={prompts}", *QUIET, *MODEL_OVERRIDES, *extra]
     if micro_batch is not None:
         overrides.append(f"models.actor.train.micro_batch_size={micro_batch}")
     return load_graph_spec(GRAPH, overrides)
@@ -135,12 +155,17 @@ def _step(trainer, counter: list[int]) -> dict:
 # -- 1. calibration -------------------------------------------------------------------------------
 
 
-def run_calibration(tmp: Path, warmup: int, iters: int, log, max_devices: int) -> tuple[object, list[dict]]:
-    """Fit the CPU profile; only runs on fewer devices than the compared placements use."""
-    measurements, rows = [], []
+def run_calibration(
+    tmp: Path, warmup: int, iters: int, log, max_devices: int, compared_prompts: int
+) -> tuple[object, list[dict]]:
+    """Fit the CPU profile from colocated single-node runs that are not compared placements."""
+    measurements, rows, oversubscribed = [], [], []
     base = get_profile("cpu")
+    cores = base.physical_cores or 1
     sim_graph = None
-    for prompts, micro, devices in [s for s in CALIBRATION_SHAPES if s[2] == 1 or s[2] < max_devices]:
+    shapes = [s for s in CALIBRATION_SHAPES
+              if s[2] == 1 or s[2] < max_devices or (s[2] == max_devices and s[0] != compared_prompts)]
+    for prompts, micro, devices in shapes:
         tag = f"calib{prompts}_{micro}_{devices}"
         spec = _spec(prompts, micro)
         graph = _graph(spec, {"calib": _pool(devices)}, {m: "calib" for m in MODELS}, tmp, tag)
@@ -158,6 +183,12 @@ def run_calibration(tmp: Path, warmup: int, iters: int, log, max_devices: int) -
         layout = Layout(d=devices)  # each rank's share of the work
         shape = f"P={prompts} mb={micro} ranks={devices}"
         iteration_work: dict[str, float] = {}
+        if devices > cores:  # not a linear measurement: kept for the oversubscription fit
+            seconds = statistics.median(h["timing/iteration"] for h in history)
+            work = [mapper.node_work(node, layout, mapper.sim.usable_memory()) for node in pg.nodes]
+            oversubscribed.append((devices, seconds, work, shape))
+            log(f"calibration {shape}: iteration {seconds:.3f} s (oversubscribed)")
+            continue
         for node in pg.nodes:
             work = mapper.node_work(node, layout, mapper.sim.usable_memory())
             for k, v in work.items():
@@ -173,8 +204,17 @@ def run_calibration(tmp: Path, warmup: int, iters: int, log, max_devices: int) -
     mapper = AutoMapper(sim_graph, base, 1, 1)
     profile = calibrate(mapper.sim, measurements)
     fitted = AutoMapper(sim_graph, profile, 1, 1).sim
-    for m, row in zip(measurements, rows):
+    for devices, seconds, work, shape in oversubscribed:
+        linear = sum(fitted.time(w) for w in work)
+        profile = fit_oversubscription(profile, devices, seconds, linear)
+        log(f"calibration {shape}: {seconds:.3f} s vs {linear:.3f} s without contention -> "
+            f"oversubscription exponent {profile.oversubscription:.2f}")
+    for m, row in zip(measurements, rows, strict=True):
         row["fitted_seconds"] = fitted.time(m.work)
+    for devices, seconds, work, shape in oversubscribed:
+        rows.append({"shape": shape, "node": "iteration", "seconds": seconds,
+                     "fitted_seconds": sum(fitted.time(w) for w in work) * AutoMapper(
+                         sim_graph, profile, devices, devices).sim.contention(devices)})
     return profile, rows
 
 
@@ -228,8 +268,14 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=12, help="prompts per iteration (x16 samples)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", choices=sorted(MODELS_CONFIG), default="wide",
+                        help="model of actor and ref: the default graph's, or hidden 256 x 4 layers")
     parser.add_argument("--analyze", help="only re-analyse a raw JSON written by an earlier run")
     args = parser.parse_args(argv)
+    MODEL_OVERRIDES[:] = [
+        f"models.{model}.source.config.{key}={value}"
+        for model in ("actor", "ref") for key, value in MODELS_CONFIG[args.model].items()
+    ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     raw = json.loads(Path(args.analyze).read_text()) if args.analyze else measure(args, out)
@@ -262,7 +308,7 @@ def measure(args, out: Path) -> dict:
 
     log(f"code: {Path(hybridflow.__file__).parent} (snapshot of {ROOT / 'hybridflow'})")
     tmp = Path(tempfile.mkdtemp(prefix="placement_harness_"))
-    profile, calibration_rows = run_calibration(tmp, args.warmup, max(args.iters, 5), log, args.devices)
+    profile, calibration_rows = run_calibration(tmp, args.warmup, max(args.iters, 5), log, args.devices, args.prompts)
     profile_file = out / "cpu_calibrated.yaml"
     save_profile(profile, profile_file)
     log(f"calibrated profile -> {profile_file}")
@@ -311,6 +357,7 @@ def measure(args, out: Path) -> dict:
         "iters_per_round": args.iters,
         "warmup": args.warmup,
         "prompts_per_iteration": args.prompts,
+        "model": args.model,
         "loadavg_before": load_before,
         "calibration": calibration_rows,
         "profile": profile.to_dict(),
@@ -403,7 +450,8 @@ def _iqr(values: list[float]) -> float:
 def markdown(result: dict) -> str:
     v = result["verdict"]
     lines = [
-        f"{result['devices']} CPU devices on {result['physical_cores']} physical cores; "
+        f"{result['devices']} CPU devices on {result['physical_cores']} physical cores, "
+        f"{result.get('model', 'tiny')} model, {result.get('prompts_per_iteration', '?')} prompts x 16 samples; "
         f"{result['rounds']} interleaved rounds x {result['iters_per_round']} iterations after "
         f"{result['warmup']} warm-up; 1-min load average before {result['loadavg_before'][0]:.1f}, "
         f"per round {', '.join(f'{x:.0f}' for x in result.get('loadavg_per_round', []))}; "

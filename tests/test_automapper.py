@@ -29,6 +29,7 @@ from hybridflow.placement.simulator import (
     Workload,
     all_partitions,
     calibrate,
+    fit_oversubscription,
     fit_inverse_rates,
 )
 
@@ -231,6 +232,18 @@ def test_cpu_devices_beyond_the_physical_cores_share_them():
     assert sim.contention(4) == 2.0
     gpu = Simulator(A100_80GB, 8, SMALL)
     assert gpu.contention(128) == 1.0
+
+
+def test_oversubscription_exponent_is_fitted_from_one_run_and_bounded():
+    profile = replace(CPU, physical_cores=2)
+    # 3 ranks on 2 cores took 2.25x the contention-free prediction: exponent log 2.25 / log 1.5 = 2
+    fitted = fit_oversubscription(profile, 3, measured_s=2.25, linear_s=1.0)
+    assert fitted.oversubscription == pytest.approx(2.0)
+    assert Simulator(fitted, 4, SMALL).contention(3) == pytest.approx(2.25)
+    assert Simulator(fitted, 4, SMALL).contention(2) == 1.0
+    assert fit_oversubscription(profile, 3, measured_s=1.1, linear_s=1.0).oversubscription == 1.0  # floor
+    assert fit_oversubscription(profile, 3, measured_s=100.0, linear_s=1.0).oversubscription == 4.0  # cap
+    assert fit_oversubscription(profile, 2, measured_s=5.0, linear_s=1.0) is profile  # not oversubscribed
 
 
 def test_kv_cache_limits_the_decode_batch():

@@ -51,6 +51,9 @@ class HardwareProfile:
     efficiency: dict[str, float] = field(default_factory=lambda: dict(GPU_EFFICIENCY))
     overhead_s: dict[str, float] = field(default_factory=dict)  # fixed seconds per op call
     physical_cores: int | None = None  # CPU: devices beyond this share cores
+    # CPU: busy devices beyond the cores slow each other by (busy / cores) ** oversubscription;
+    # 1 = a fair share of the cores, more when ranks that wait on each other time-slice.
+    oversubscription: float = 1.0
     bytes_per_param: int = 2  # weights as held for compute (bf16 on GPU, fp32 on CPU)
 
     def rate(self, kind: str) -> float:

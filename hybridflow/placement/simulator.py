@@ -343,7 +343,7 @@ class Simulator:
         cores = self.profile.physical_cores
         if cores is None or busy_devices <= cores:
             return 1.0
-        return busy_devices / cores
+        return (busy_devices / cores) ** self.profile.oversubscription
 
 
 # -- calibration ----------------------------------------------------------------------------------
@@ -404,6 +404,19 @@ def profile_from_inverse_rates(base: HardwareProfile, inv: dict[str, float], dev
     return replace(base, efficiency=eff, overhead_s=overheads, name=f"{base.name}-calibrated")
 
 
+def fit_oversubscription(profile: HardwareProfile, busy_devices: int, measured_s: float, linear_s: float) -> HardwareProfile:
+    """``profile`` with ``oversubscription`` fitted from one run of ``busy_devices`` > cores:
+    ``measured = linear * (busy / cores) ** oversubscription``, where ``linear`` is the calibrated
+    prediction of that run without contention. Kept within [1, 4]."""
+    from dataclasses import replace
+
+    cores = profile.physical_cores
+    if cores is None or busy_devices <= cores or linear_s <= 0:
+        return profile
+    exponent = math.log(measured_s / linear_s) / math.log(busy_devices / cores)
+    return replace(profile, oversubscription=min(4.0, max(1.0, exponent)))
+
+
 def calibrate(sim: Simulator, measurements: list[Measurement]) -> HardwareProfile:
     """``sim.profile`` with effective rates and per-call overheads fitted to single-node op
     measurements (each with the work vector the simulator assigns to it).
@@ -429,5 +442,5 @@ def all_partitions(items: list[str]):
 
 __all__ = [
     "Layout", "Measurement", "ModelInfo", "OpNode", "PlanGraph", "Simulator", "Workload",
-    "all_partitions", "calibrate", "fit_inverse_rates",
+    "all_partitions", "calibrate", "fit_inverse_rates", "fit_oversubscription",
 ]
