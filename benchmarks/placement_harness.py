@@ -262,7 +262,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=3, help="CPU devices (worker processes)")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--iters", type=int, default=2, help="measured iterations per placement per round")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=12, help="prompts per iteration (x16 samples)")
