@@ -17,7 +17,15 @@ pytest.importorskip("megatron.core")
 from megatron_harness import init_dist, pg_loss, random_batch, spawn, tiny_hf  # noqa: E402
 
 from hybridflow.data import keys as K  # noqa: E402
-from hybridflow.engines.megatron.convert import Dims, Rank, hf_shards, hf_to_megatron, merge_shards  # noqa: E402
+from hybridflow.engines.megatron.convert import (  # noqa: E402
+    Dims,
+    Rank,
+    hf_to_megatron,
+    resharding_full,
+    resharding_named,
+    shard_specs,
+    to_hf,
+)
 from hybridflow.spec.graph import OptimSpec, TrainEngineSpec  # noqa: E402
 from hybridflow.spec.layout import ParallelLayout  # noqa: E402
 
@@ -29,29 +37,32 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("pp", [1, 2])
 def test_conversion_round_trip_is_bit_exact(tp, pp):
-    """HF -> megatron shards of every (tp, pp) rank -> HF-named shards -> merged: bit-exact, and
-    every HF-named shard is chunk tp_rank of the full (padded) tensor along tp_dim."""
+    """HF -> megatron parameters of every (tp, pp) rank -> resharding-layout tensors: each is
+    chunk tp_rank of its full tensor along tp_dim; the chunks joined and turned back into HF
+    names give the HF weights bit for bit."""
     hf = tiny_hf(tied=False)
     state = hf.state_dict()
     dims = Dims.from_hf(hf.config)
+    full = resharding_full(state, dims, tp)
+    specs = {s.name: s for s in shard_specs(dims, tp, pp)}
+    assert set(full) == set(specs)
     pieces: dict[str, list] = {}
-    tp_dims = {}
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             rank = Rank(tp_rank, tp, pp_rank, pp)
-            for shard in hf_shards(hf_to_megatron(state, dims, rank), dims, rank):
-                pieces.setdefault(shard.name, []).append(shard.tensor)
-                tp_dims[shard.name] = shard.tp_dim
-                assert shard.pp_stage == pp_rank
-                if shard.tp_dim is not None:
-                    full = state[shard.name]
-                    padded = torch.zeros(shard.full_shape)
-                    padded[tuple(slice(0, n) for n in full.shape)] = full
-                    assert torch.equal(shard.tensor, padded.chunk(tp, shard.tp_dim)[tp_rank])
-    assert set(pieces) == set(state)
+            named = resharding_named(hf_to_megatron(state, dims, rank), dims, rank)
+            assert set(named) == {n for n, s in specs.items() if s.pp_stage == pp_rank}
+            for name, tensor in named.items():
+                assert torch.equal(tensor, specs[name].slice_full(full[name], tp, tp_rank)), name
+                pieces.setdefault(name, []).append(tensor)
+    joined = (
+        (n, p[0] if specs[n].tp_dim is None else torch.cat(p, dim=specs[n].tp_dim))
+        for n, p in pieces.items()
+    )
+    back = dict(to_hf(joined, dims, 1, trim_vocab=True))
+    assert set(back) == set(state)
     for name, tensor in state.items():
-        merged = merge_shards(pieces[name][:: 1 if tp_dims[name] is not None else tp], tp_dims[name], name, dims)
-        assert torch.equal(merged, tensor), name
+        assert torch.equal(back[name], tensor), name
 
 
 def test_qkv_is_grouped_per_query_group():
@@ -90,6 +101,16 @@ def _check_equivalence(rank, world, port, tp, pp, tied, backend="gloo"):
     spec = TrainEngineSpec(engine="megatron", layout=ParallelLayout(tp=tp, pp=pp), micro_batch_size=3)
     engine = MegatronTrainEngine(copy.deepcopy(hf), spec)
 
+    # 0. The parameters are the views of one flat training shard, which holds nothing else.
+    flat = engine.train_shard.flat
+    inside = [
+        p for n, p in engine.gpt_model.named_parameters()
+        if p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    ]
+    outside = [n for n, p in engine.gpt_model.named_parameters() if all(p is not q for q in inside)]
+    assert outside == (["output_layer.weight"] if tied and engine.rank.is_last_stage and pp > 1 else [])
+    assert sum(p.numel() for p in inside) == flat.numel()
+
     # 1. Raw logits of an unpadded batch: megatron (vocab shards gathered) vs HF.
     if pp == 1:
         ids = torch.randint(0, hf.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -127,13 +148,7 @@ def test_hf_equivalence(tp, pp, tied):
 def _gathered_grads(engine) -> dict[str, torch.Tensor]:
     """The engine's (reduced, clipped) gradients as full HF-named tensors: the weight gather
     run over the gradient buffers instead of the weights."""
-    grads = {n: p.main_grad for n, p in engine.gpt_model.named_parameters()}
-    original = engine.gpt_model.named_parameters
-    engine.gpt_model.named_parameters = lambda: iter(grads.items())
-    try:
-        return engine.full_hf_state()
-    finally:
-        engine.gpt_model.named_parameters = original
+    return engine.full_hf_state({n: p.main_grad for n, p in engine.gpt_model.named_parameters()})
 
 
 def _check_train_steps(rank, world, port, tp, pp, dp, grad_clip, backend="gloo"):

@@ -21,12 +21,8 @@ from hybridflow.hybrid_engine.groups import (
     train_coords,
     train_rank,
 )
-from hybridflow.hybrid_engine.layout_meta import ShardSpec
-from hybridflow.hybrid_engine.reshard import (
-    TrainShardBuffer,
-    reference_generation_shard,
-    stage_layout,
-)
+from hybridflow.engines.shards import ShardSpec, TrainShardBuffer, stage_layout
+from hybridflow.hybrid_engine.reshard import reference_generation_shard
 from hybridflow.hybrid_engine.synthetic import decoder_specs, full_weights
 from hybridflow.spec.layout import GenerationLayout, ParallelLayout
 
@@ -148,7 +144,7 @@ def test_training_shard_buffer_views_and_stage_sizes():
     full = full_weights(specs)
     sizes = [stage_layout(specs, s, 2)[1] for s in range(2)]
     assert sizes[0] == sizes[1]  # equal stages: the setting of Table 2
-    buf = TrainShardBuffer.allocate(specs, train, rank=3)
+    buf = TrainShardBuffer.allocate(specs, pp_stage=1, tp=2, rank=3)
     assert all(v.untyped_storage().data_ptr() == buf.flat.untyped_storage().data_ptr() for v in buf.views.values())
     assert sum(v.numel() for v in buf.views.values()) == buf.flat.numel()
     with pytest.raises(ValueError, match="not divisible"):

@@ -24,23 +24,13 @@ from hybridflow.spec.layout import GenerationLayout, ParallelLayout  # noqa: E40
 HEADS = {"num_attention_heads": 4, "num_key_value_heads": 4}  # TP=4 needs 4 query groups
 
 
-def _padded_full(hf_state, specs):
-    """The full HF tensors as the engine holds them: vocabulary padded to the specs' shape."""
-    full = {}
-    for spec in specs:
-        t = hf_state[spec.name]
-        if t.shape[0] != spec.full_shape[0]:
-            t = torch.cat([t, t.new_zeros(spec.full_shape[0] - t.shape[0], *t.shape[1:])])
-        full[spec.name] = t
-    return full
-
-
 def _check(rank, world, port):
     init_dist(rank, world, port)
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, model_parallel_cuda_manual_seed
 
     from hybridflow.engines.megatron import Dims, MegatronTrainEngine, Rank, hf_to_megatron
+    from hybridflow.engines.megatron.convert import resharding_full
     from hybridflow.engines.megatron import cpu_compat
     from hybridflow.engines.megatron.model import build_gpt_model, load_megatron_state
     from hybridflow.hybrid_engine.groups import gen_coords, train_coords
@@ -63,15 +53,17 @@ def _check(rank, world, port):
         ps.get_data_parallel_rank(),
     )
     specs = engine.shard_specs()
-    named = {s.name: s.tensor for s in engine.hf_shards()}
-    full = _padded_full(hf.state_dict(), specs)
+    full = resharding_full(hf.state_dict(), Dims.from_hf(hf.config), train.tp)
 
-    # tg = 1: an HF model from the generation shards
+    # tg = 1: an HF model from the generation shards, taken straight from the engine's training
+    # shard (its parameters' own storage: nothing packed)
     gen1 = GenerationLayout(train=train, tp=1, pp=1)
     for mode in ("zero_redundancy", "naive"):
-        shards, stats = reshard_to_generation(named, specs, gen1, build_groups(gen1), mode)
-        state = {n: t[:vocab] if n in ("model.embed_tokens.weight", "lm_head.weight") else t
-                 for n, t in shards.materialize().items()}
+        shards, stats = reshard_to_generation(engine.train_shard, specs, gen1, build_groups(gen1), mode)
+        assert stats.packed_bytes == 0
+        own = engine.train_shard.flat.untyped_storage().data_ptr()
+        assert any(p.untyped_storage().data_ptr() == own for pieces in shards.values() for p in pieces)
+        state = dict(engine.generation_weights(shards, tp=1))
         model = copy.deepcopy(hf)
         with torch.no_grad():
             for p in model.parameters():
@@ -84,11 +76,11 @@ def _check(rank, world, port):
 
     # tg = 2: bitwise shards, then a 2-way megatron TP model built from them
     gen2 = GenerationLayout(train=train, tp=2, pp=1)
-    shards, stats = reshard_to_generation(named, specs, gen2, build_groups(gen2))
+    shards, stats = reshard_to_generation(engine.train_shard, specs, gen2, build_groups(gen2))
     expected = reference_generation_shard(full, specs, gen2, rank)
     for name, tensor in expected.items():
         assert torch.equal(shards.tensor(name), tensor), name
-    hf_state = shards.materialize()
+    hf_state = dict(engine.generation_weights(shards, tp=2))
     shards.release()
     del engine
     ps.destroy_model_parallel()

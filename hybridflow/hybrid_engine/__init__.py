@@ -1,7 +1,8 @@
 """The 3D-HybridEngine: the actor's weights between its training and generation layouts.
 
-``groups`` (rank numbering, micro-DP / generation TP / PP groups, pure), ``layout_meta``
-(per-parameter sharding metadata, the train engine's side of the seam), ``reshard``
+``groups`` (rank numbering, micro-DP / generation TP / PP groups, pure), ``reshard``
 (``reshard_to_generation``: zero-redundancy and naive paths with measured bytes and peak
-memory), ``sync`` (same-layout weight sync between a train and a rollout engine).
+memory), ``sync`` (train engine -> rollout engine each iteration: in place for a same-layout
+engine, through the resharder for a sharded one). The train engine's side of the seam, its
+``ShardSpec`` list and flat training shard, is ``hybridflow.engines.shards``.
 """

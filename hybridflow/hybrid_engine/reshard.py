@@ -1,17 +1,16 @@
 """Train -> generate resharding of the actor's weights (HybridFlow's 3D-HybridEngine).
 
-The seam, used by the actor worker once per iteration::
+The seam, used by the actor worker once per iteration (``hybridflow.hybrid_engine.sync``)::
 
-    groups = build_groups(gen_layout)                    # once, collectively, every rank
-    buffer = TrainShardBuffer.allocate(specs, gen_layout.train, rank, dtype)  # once: the train
-    ...                                                  # engine's weights live in buffer.views
-    gen, stats = reshard_to_generation(buffer, specs, gen_layout, groups)
-    # or, from separate tensors (one packing copy, reported in stats.packed_bytes):
-    # named = {s.name: s.tensor for s in megatron_engine.hf_shards()}
-    # gen, stats = reshard_to_generation(named, megatron_engine.shard_specs(), gen_layout, groups)
-    rollout.load_weights(gen.materialize())              # or build a tg-way TP model from gen
+    groups = build_groups(gen_layout)                  # once, collectively, every rank
+    buffer = engine.train_shard                        # the engine's parameters are its views
+    gen, stats = reshard_to_generation(buffer, engine.shard_specs(), gen_layout, groups)
+    rollout.load_weights(engine.generation_weights(gen, gen_layout.tp))  # HF names, streamed
     ...generate...
-    gen.release()                                        # before training resumes
+    gen.release()                                      # before training resumes
+
+``reshard_to_generation`` also takes name -> tensor (packed into a buffer first: one copy,
+reported in ``stats.packed_bytes``).
 
 Memory. A rank's training shard is one flat tensor (the :class:`TrainShardBuffer`; the engine's
 parameters are views into it, as megatron's DDP keeps its parameters in contiguous buffers). Its
@@ -50,13 +49,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hybridflow.engines.shards import ShardSpec, TrainShardBuffer, slot_views, stage_layout
 from hybridflow.hybrid_engine.groups import (
     gen_coords,
     micro_dp_groups,
     model_parallel_groups,
     train_coords,
 )
-from hybridflow.hybrid_engine.layout_meta import ShardSpec
 from hybridflow.spec.layout import GenerationLayout, ParallelLayout
 
 Mode = Literal["zero_redundancy", "naive"]
@@ -150,83 +149,14 @@ class ReshardStats:
     materialized_bytes: int = 0  # the rollout engine's own copy (GenerationShards.materialize)
 
     def as_metrics(self, prefix: str = "reshard") -> dict[str, float]:
-        return {f"{prefix}/{k}": float(v) for k, v in self.__dict__.items() if isinstance(v, (int, float))}
+        return {
+            f"{prefix}/{k}": float(v)
+            for k, v in self.__dict__.items()
+            if isinstance(v, (int, float)) and k != "rank"
+        }
 
 
 # --------------------------------------------------------------------------- training shard
-
-
-@dataclass(frozen=True)
-class _Slot:
-    spec: ShardSpec
-    offset: int
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-def stage_layout(specs: Sequence[ShardSpec], pp_stage: int, tp: int) -> tuple[list[_Slot], int]:
-    """Where each parameter of stage ``pp_stage`` sits in a TP rank's flat training shard
-    (same for every TP rank of the stage), and the shard's numel."""
-    slots, offset = [], 0
-    for spec in specs:
-        if spec.pp_stage == pp_stage:
-            shape = spec.shard_shape(tp)
-            slots.append(_Slot(spec, offset, shape))
-            offset += math.prod(shape)
-    return slots, offset
-
-
-def _views(flat: Tensor, slots: list[_Slot]) -> dict[str, Tensor]:
-    return {s.spec.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in slots}
-
-
-class TrainShardBuffer:
-    """One rank's training shard in one flat tensor; ``views`` are its parameters, in spec order.
-
-    A train engine keeps its weights here (``param.data = buffer.views[name]``) so that the
-    resharder can send and keep them without a copy.
-    """
-
-    def __init__(self, flat: Tensor, slots: list[_Slot], rank: int) -> None:
-        self.flat = flat
-        self.rank = rank
-        self.views = _views(flat, slots)
-
-    @classmethod
-    def allocate(
-        cls,
-        specs: Sequence[ShardSpec],
-        train: ParallelLayout,
-        rank: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> "TrainShardBuffer":
-        c = train_coords(train, rank)
-        slots, numel = stage_layout(specs, c.pp, train.tp)
-        return cls(torch.empty(numel, dtype=dtype, device=device), slots, rank)
-
-    @classmethod
-    def pack(
-        cls, named: Mapping[str, Tensor], specs: Sequence[ShardSpec], train: ParallelLayout, rank: int
-    ) -> "TrainShardBuffer":
-        """A buffer holding a copy of ``named`` (this rank's shards, any storage)."""
-        first = next(iter(named.values()))
-        buf = cls.allocate(specs, train, rank, first.dtype, first.device)
-        missing = set(buf.views) - set(named)
-        if missing:
-            raise ValueError(f"rank {rank}: shards missing for {sorted(missing)[:5]}")
-        with torch.no_grad():
-            for name, view in buf.views.items():
-                if tuple(named[name].shape) != tuple(view.shape):
-                    raise ValueError(
-                        f"rank {rank}: {name} has shape {tuple(named[name].shape)}, "
-                        f"its spec says {tuple(view.shape)}"
-                    )
-                view.copy_(named[name])
-        return buf
 
 
 def shard_full_weights(
@@ -237,7 +167,7 @@ def shard_full_weights(
     named = {
         s.name: s.slice_full(full[s.name], train.tp, c.tp) for s in specs if s.pp_stage == c.pp
     }
-    return TrainShardBuffer.pack(named, specs, train, rank)
+    return TrainShardBuffer.pack(named, specs, c.pp, train.tp, rank)
 
 
 # --------------------------------------------------------------------------- groups
@@ -349,7 +279,7 @@ def _generation_pieces(
     views = {}
     for m, flat in member_buffers.items():
         slots, _ = stage_layout(specs, g.pp * sp + m // st, gen.train.tp)
-        views[m] = _views(flat, slots)
+        views[m] = slot_views(flat, slots)
     pieces: dict[str, tuple[Tensor, ...]] = {}
     redundant = 0
     for spec in specs:
@@ -419,7 +349,7 @@ def reshard_to_generation(
     else:
         for t in named_shards.values():
             meter.track(t)
-        own = TrainShardBuffer.pack(named_shards, specs, train, rank)
+        own = TrainShardBuffer.pack(named_shards, specs, train_coords(train, rank).pp, train.tp, rank)
         packed = _nbytes(own.flat)
     meter.track(own.flat)
     itemsize = own.flat.element_size()

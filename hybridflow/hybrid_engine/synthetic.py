@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.hybrid_engine.layout_meta import ShardSpec
+from hybridflow.engines.shards import ShardSpec
 
 
 def decoder_specs(

@@ -17,16 +17,30 @@ Weight-layout facts the conversion follows (megatron's fused, TP-sharded tensors
   embeddings and ``p > 1`` the last stage holds its own copy of the embedding as
   ``output_layer.weight`` (megatron all-reduces its gradient with the first stage's).
 
-The seam to the resharder is :func:`hf_shards`: this rank's weights under HF names, each a
-contiguous chunk along ``tp_dim`` of the (vocab-padded) HF tensor.
+The seam to the resharder is the *resharding layout* (:func:`shard_specs`): one ``ShardSpec`` per
+tensor under HF names, in which every TP rank's megatron parameter is a contiguous chunk (or two
+adjacent ones) of a full tensor, so the engine keeps its parameters as views of one flat
+training shard:
+
+- ``model.layers.N.self_attn.qkv_proj.weight`` / ``.bias``: HF's q, k, v grouped per query group
+  (megatron's order); chunk ``r`` of ``t`` along dim 0 is rank ``r``'s ``linear_qkv``, and chunk
+  ``g`` of ``tg`` is what a ``tg``-way model needs. :func:`to_hf` splits it back into q, k, v.
+- ``mlp.gate_proj.weight`` then ``mlp.up_proj.weight``: adjacent slots whose two chunks together
+  are rank ``r``'s ``linear_fc1`` (``[gate_r; up_r]``).
+- Vocabulary tensors padded to a multiple of ``t``; everything else as in HF.
+- With tied embeddings, HF's ``lm_head.weight`` is not listed, nor is the last stage's
+  ``output_layer.weight`` copy at ``p > 1`` (the engine keeps that one outside the buffer).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from hybridflow.engines.shards import ShardSpec, TrainShardBuffer
 
 
 @dataclass(frozen=True)
@@ -103,19 +117,6 @@ class Rank:
         """Global indices of this stage's layers."""
         per_stage = dims.num_layers // self.pp
         return range(self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage)
-
-
-@dataclass(frozen=True)
-class HFShard:
-    """One rank's piece of an HF tensor: ``tensor`` is chunk ``tp_rank`` of ``tp`` along
-    ``tp_dim`` of the full tensor of shape ``full_shape`` (``tp_dim`` None: replicated).
-    ``full_shape`` of vocabulary tensors is the padded one; ``vocab_size`` trims it."""
-
-    name: str
-    tensor: Tensor
-    tp_dim: int | None
-    full_shape: tuple[int, ...]
-    pp_stage: int
 
 
 def _chunk(tensor: Tensor, dim: int, rank: Rank) -> Tensor:
@@ -202,51 +203,107 @@ def hf_to_megatron(hf_state: dict[str, Tensor], dims: Dims, rank: Rank) -> dict[
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
-def hf_shards(mg_state: dict[str, Tensor], dims: Dims, rank: Rank) -> list[HFShard]:
-    """This rank's megatron parameters as HF-named shards (each tensor owned once per TP rank).
 
-    Fused tensors (qkv, fc1) are split into HF's q/k/v and gate/up (copies); the rest share
-    storage with ``mg_state``. With tied embeddings the last stage's copy is not reported.
-    """
+# -- the resharding layout ---------------------------------------------------------------------
+
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+QKV = "self_attn.qkv_proj"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of the resharding layout and the megatron parameter it is (part of)."""
+
+    spec: ShardSpec
+    megatron: str
+    part: int = 0  # which of ``parts`` equal dim-0 blocks of the megatron parameter
+    parts: int = 1
+
+
+def _stage_entries(dims: Dims, rank: Rank) -> list[_Entry]:
+    """The tensors of ``rank``'s stage, in buffer order (``rank.tp_rank`` does not matter)."""
     padded = dims.padded_vocab(rank.tp)
     h, d, ffn = dims.hidden_size, dims.head_dim, dims.ffn_hidden_size
-    shards: list[HFShard] = []
+    qkv_rows = dims.num_kv_heads * (dims.heads_per_group + 2) * d
+    entries: list[_Entry] = []
 
-    def add(name: str, tensor: Tensor, tp_dim: int | None, full_shape: tuple[int, ...]) -> None:
-        shards.append(HFShard(name, tensor, tp_dim, full_shape, rank.pp_rank))
+    def add(name, megatron, tp_dim, shape, part=0, parts=1):
+        entries.append(_Entry(ShardSpec(name, shape, tp_dim, rank.pp_rank), megatron, part, parts))
 
     if rank.is_first_stage:
-        add("model.embed_tokens.weight", mg_state["embedding.word_embeddings.weight"], 0, (padded, h))
+        add("model.embed_tokens.weight", "embedding.word_embeddings.weight", 0, (padded, h))
     for local, layer in enumerate(rank.layers(dims)):
-        hf = f"model.layers.{layer}."
-        mg = f"decoder.layers.{local}."
-        attn = hf + "self_attn."
-        add(hf + "input_layernorm.weight", mg_state[mg + "input_layernorm.weight"], None, (h,))
-        q, k, v = _ungroup_qkv(mg_state[mg + "self_attention.linear_qkv.weight"], dims, rank.tp)
-        add(attn + "q_proj.weight", q, 0, (dims.num_heads * d, h))
-        add(attn + "k_proj.weight", k, 0, (dims.num_kv_heads * d, h))
-        add(attn + "v_proj.weight", v, 0, (dims.num_kv_heads * d, h))
+        hf, mg = f"model.layers.{layer}.", f"decoder.layers.{local}."
+        add(hf + "input_layernorm.weight", mg + "input_layernorm.weight", None, (h,))
+        add(f"{hf}{QKV}.weight", mg + "self_attention.linear_qkv.weight", 0, (qkv_rows, h))
         if dims.qkv_bias:
-            qb, kb, vb = _ungroup_qkv(mg_state[mg + "self_attention.linear_qkv.bias"], dims, rank.tp)
-            add(attn + "q_proj.bias", qb, 0, (dims.num_heads * d,))
-            add(attn + "k_proj.bias", kb, 0, (dims.num_kv_heads * d,))
-            add(attn + "v_proj.bias", vb, 0, (dims.num_kv_heads * d,))
-        add(attn + "o_proj.weight", mg_state[mg + "self_attention.linear_proj.weight"], 1, (h, dims.num_heads * d))
-        add(hf + "post_attention_layernorm.weight", mg_state[mg + "pre_mlp_layernorm.weight"], None, (h,))
-        gate, up = mg_state[mg + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        add(hf + "mlp.gate_proj.weight", gate, 0, (ffn, h))
-        add(hf + "mlp.up_proj.weight", up, 0, (ffn, h))
-        add(hf + "mlp.down_proj.weight", mg_state[mg + "mlp.linear_fc2.weight"], 1, (h, ffn))
+            add(f"{hf}{QKV}.bias", mg + "self_attention.linear_qkv.bias", 0, (qkv_rows,))
+        add(hf + "self_attn.o_proj.weight", mg + "self_attention.linear_proj.weight", 1, (h, dims.num_heads * d))
+        add(hf + "post_attention_layernorm.weight", mg + "pre_mlp_layernorm.weight", None, (h,))
+        add(hf + "mlp.gate_proj.weight", mg + "mlp.linear_fc1.weight", 0, (ffn, h), 0, 2)
+        add(hf + "mlp.up_proj.weight", mg + "mlp.linear_fc1.weight", 0, (ffn, h), 1, 2)
+        add(hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight", 1, (h, ffn))
     if rank.is_last_stage:
-        add("model.norm.weight", mg_state["decoder.final_layernorm.weight"], None, (h,))
+        add("model.norm.weight", "decoder.final_layernorm.weight", None, (h,))
         if not dims.tied:
-            add("lm_head.weight", mg_state["output_layer.weight"], 0, (padded, h))
-    return shards
+            add("lm_head.weight", "output_layer.weight", 0, (padded, h))
+    return entries
 
 
-def merge_shards(pieces: list[Tensor], tp_dim: int | None, name: str, dims: Dims) -> Tensor:
-    """Full HF tensor from its TP pieces in rank order (vocab padding trimmed)."""
-    full = pieces[0] if tp_dim is None else torch.cat(pieces, dim=tp_dim)
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        full = full[: dims.vocab_size]
-    return full.contiguous()
+def shard_specs(dims: Dims, tp: int, pp: int) -> list[ShardSpec]:
+    """The resharding layout of the whole model under ``tp`` x ``pp``, stage after stage."""
+    return [e.spec for stage in range(pp) for e in _stage_entries(dims, Rank(0, tp, stage, pp))]
+
+
+def megatron_views(buffer: TrainShardBuffer, dims: Dims, rank: Rank) -> dict[str, Tensor]:
+    """Megatron parameter name -> its view of ``buffer`` (this rank's flat training shard)."""
+    by_param: dict[str, list[_Entry]] = {}
+    for entry in _stage_entries(dims, rank):
+        by_param.setdefault(entry.megatron, []).append(entry)
+    views = {}
+    for name, entries in by_param.items():
+        shapes = [e.spec.shard_shape(rank.tp) for e in entries]
+        shape = (sum(s[0] for s in shapes), *shapes[0][1:])
+        views[name] = buffer.span([e.spec.name for e in entries], shape)
+    return views
+
+
+def resharding_named(mg_state: Mapping[str, Tensor], dims: Dims, rank: Rank) -> dict[str, Tensor]:
+    """This rank's megatron tensors (weights, or anything shaped like them, e.g. gradients) under
+    the resharding layout's names: views, fused ``linear_fc1`` split into gate and up."""
+    return {
+        e.spec.name: mg_state[e.megatron].chunk(e.parts, dim=0)[e.part]
+        for e in _stage_entries(dims, rank)
+    }
+
+
+def resharding_full(hf_state: Mapping[str, Tensor], dims: Dims, tp: int) -> dict[str, Tensor]:
+    """Full HF weights in the resharding layout (qkv grouped, vocabulary padded to ``tp``): the
+    tensors the layout's specs slice (the oracle of the resharding tests)."""
+    out = {}
+    for spec in shard_specs(dims, tp, 1):
+        name = spec.name
+        if name.endswith((f"{QKV}.weight", f"{QKV}.bias")):
+            prefix, kind = name.rsplit(f"{QKV}.", 1)
+            q, k, v = (hf_state[f"{prefix}self_attn.{p}_proj.{kind}"] for p in "qkv")
+            out[name] = _group_qkv(q, k, v, dims)
+        elif name in VOCAB_TENSORS:
+            out[name] = _pad_vocab(hf_state[name], spec.full_shape[0])
+        else:
+            out[name] = hf_state[name]
+    return out
+
+
+def to_hf(named: Iterable[tuple[str, Tensor]], dims: Dims, tp: int, trim_vocab: bool) -> Iterator[tuple[str, Tensor]]:
+    """Resharding-layout tensors, each chunk ``r`` of ``tp`` of its full tensor (``tp`` = 1: the
+    full tensors), -> HF-named ones: qkv split into q, k, v (copies); with ``trim_vocab`` the
+    vocabulary padding dropped (a view). Lazy, one tensor at a time."""
+    for name, tensor in named:
+        if name.endswith((f"{QKV}.weight", f"{QKV}.bias")):
+            prefix, kind = name.rsplit(f"{QKV}.", 1)
+            for p, part in zip("qkv", _ungroup_qkv(tensor, dims, tp)):
+                yield f"{prefix}self_attn.{p}_proj.{kind}", part
+        elif trim_vocab and name in VOCAB_TENSORS:
+            yield name, tensor[: dims.vocab_size]
+        else:
+            yield name, tensor

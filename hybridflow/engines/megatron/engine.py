@@ -39,10 +39,20 @@ from hybridflow.algos import entropy_from_logits, log_probs_from_logits
 from hybridflow.data import keys as K
 from hybridflow.engines.base import LossFn, TrainEngine
 from hybridflow.engines.megatron import cpu_compat
-from hybridflow.engines.megatron.convert import Dims, HFShard, Rank, hf_shards, hf_to_megatron, merge_shards
+from hybridflow.engines.megatron.convert import (
+    Dims,
+    Rank,
+    hf_to_megatron,
+    megatron_views,
+    resharding_named,
+    shard_specs,
+    to_hf,
+)
 from hybridflow.engines.megatron.model import build_gpt_model, load_megatron_state
+from hybridflow.engines.shards import ShardSpec, TrainShardBuffer
 from hybridflow.engines.torch_engine import lr_factor
 from hybridflow.spec.graph import TrainEngineSpec
+from hybridflow.spec.layout import ParallelLayout
 
 
 def init_parallel_state(tp: int, pp: int, seed: int) -> None:
@@ -126,10 +136,20 @@ class MegatronTrainEngine(TrainEngine):
         self.hf_config = hf_model.config
         self.dims = Dims.from_hf(self.hf_config)
         self.dtype = next(hf_model.parameters()).dtype
-        self._hf_shapes = {n: tuple(p.shape) for n, p in hf_model.state_dict().items()}
         self.device = torch.device("cpu") if cpu_compat.needed() else torch.device("cuda")
 
+        self.train_layout = ParallelLayout(tp=tp, pp=pp, dp=self.dp_size)
+        # The training shard: one flat tensor whose views are the parameters (set before DDP and
+        # the optimizer take them), so the resharder sends and keeps it without a copy.
+        self.specs = shard_specs(self.dims, tp, pp)
+        self.train_shard = TrainShardBuffer.allocate(
+            self.specs, self.rank.pp_rank, tp, dist.get_rank(), self.dtype, self.device
+        )
         module = build_gpt_model(self.hf_config, self.rank, self.dtype).to(self.device)
+        views = megatron_views(self.train_shard, self.dims, self.rank)
+        for name, param in module.named_parameters():
+            if name in views:  # all but a tied output layer's copy on the last stage (p > 1)
+                param.data = views[name]
         state = {n: t.to(self.device) for n, t in hf_model.state_dict().items()}
         load_megatron_state(module, hf_to_megatron(state, self.dims, self.rank))
         # Named ``gpt_model``, not ``module``: the engine manages its own memory. Worker-level
@@ -318,55 +338,52 @@ class MegatronTrainEngine(TrainEngine):
 
     # -- weights ------------------------------------------------------------------------------
 
-    def hf_shards(self) -> list[HFShard]:
-        """This rank's training shard under HF names with its layout (the resharder's input)."""
-        state = {n: p.detach() for n, p in self.gpt_model.named_parameters()}
-        return hf_shards(state, self.dims, self.rank)
+    def shard_specs(self) -> list[ShardSpec]:
+        """The resharding layout of the whole model (all stages); ``train_shard`` holds this
+        rank's part of it, and the parameters are views of ``train_shard``."""
+        return self.specs
 
-    def shard_specs(self) -> list:
-        """``ShardSpec`` of every parameter of the whole model (all stages), in stage order."""
-        from hybridflow.hybrid_engine.layout_meta import ShardSpec
+    def generation_weights(self, shards, tp: int) -> Iterator[tuple[str, Tensor]]:
+        """HF-named tensors of a generation shard (``shards``: name -> TP pieces, as returned by
+        the resharder for a ``tp``-way generation layout), one at a time: what a rollout engine's
+        ``load_weights`` takes. At ``tp`` = 1 the vocabulary padding is dropped."""
+        pieces = ((name, shards.tensor(name)) for name in shards)
+        return to_hf(pieces, self.dims, tp, trim_vocab=tp == 1)
 
-        specs = []
-        for stage in range(self.rank.pp):
-            for shard in self._stage_layout(stage):
-                specs.append(ShardSpec(shard[0], shard[2], shard[1], stage))
-        return specs
+    def full_hf_state(self, megatron_tensors: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """The whole model with HF names on every rank (the naive path: TP all-gather within
+        each stage, then a broadcast of each stage's tensors over the pipeline group).
 
-    def _stage_layout(self, stage: int) -> list[tuple[str, int | None, tuple[int, ...]]]:
-        """(name, tp_dim, full_shape) of a stage's HF shards, computed without its weights."""
-        rank = Rank(0, self.rank.tp, stage, self.rank.pp)
-        meta = {
-            n: torch.empty(p.shape, device="meta")
-            for n, p in hf_to_megatron(
-                {n: torch.empty(s, device="meta") for n, s in self._hf_shapes.items()}, self.dims, rank
-            ).items()
-        }
-        return [(s.name, s.tp_dim, s.full_shape) for s in hf_shards(meta, self.dims, rank)]
-
-    def full_hf_state(self) -> dict[str, Tensor]:
-        """The whole model with HF names on every rank: TP all-gather within each stage, then a
-        broadcast of each stage's tensors over the pipeline group (the naive path)."""
+        ``megatron_tensors`` (megatron parameter name -> this rank's tensor, e.g. the gradient
+        buffers) are gathered instead of the weights.
+        """
+        if megatron_tensors is None:
+            named = self.train_shard.views
+        else:
+            named = resharding_named(megatron_tensors, self.dims, self.rank)
         tp_group = self.ps.get_tensor_model_parallel_group()
         full: dict[str, Tensor] = {}
-        for shard in self.hf_shards():
-            if shard.tp_dim is None or self.rank.tp == 1:
-                pieces = [shard.tensor]
+        for spec in self.specs:
+            if spec.pp_stage != self.rank.pp_rank:
+                continue
+            tensor = named[spec.name]
+            if spec.tp_dim is None or self.rank.tp == 1:
+                full[spec.name] = tensor
             else:
-                pieces = [torch.empty_like(shard.tensor) for _ in range(self.rank.tp)]
-                dist.all_gather(pieces, shard.tensor.contiguous(), group=tp_group)
-            full[shard.name] = merge_shards(pieces, shard.tp_dim, shard.name, self.dims)
+                pieces = [torch.empty_like(tensor) for _ in range(self.rank.tp)]
+                dist.all_gather(pieces, tensor.contiguous(), group=tp_group)
+                full[spec.name] = torch.cat(pieces, dim=spec.tp_dim)
         if self.rank.pp > 1:
             pp_group = self.ps.get_pipeline_model_parallel_group()
             pp_ranks = dist.get_process_group_ranks(pp_group)
-            for stage in range(self.rank.pp):
-                for name, _, _ in self._stage_layout(stage):
-                    if stage != self.rank.pp_rank:
-                        full[name] = torch.empty(self._hf_shapes[name], dtype=self.dtype, device=self.device)
-                    dist.broadcast(full[name], src=pp_ranks[stage], group=pp_group)
+            for spec in self.specs:
+                if spec.pp_stage != self.rank.pp_rank:
+                    full[spec.name] = torch.empty(spec.full_shape, dtype=self.dtype, device=self.device)
+                dist.broadcast(full[spec.name], src=pp_ranks[spec.pp_stage], group=pp_group)
+        state = {name: t.contiguous() for name, t in to_hf(full.items(), self.dims, 1, trim_vocab=True)}
         if self.dims.tied:
-            full["lm_head.weight"] = full["model.embed_tokens.weight"]
-        return full
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        return state
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full HF weights (gathered; a collective every rank must call)."""
