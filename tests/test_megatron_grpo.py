@@ -1,5 +1,6 @@
 """graphs/grpo_megatron.yaml end to end: the actor trains under megatron-core TP=2 on two gloo
-ranks (real Ray workers), generates at tg = 1 from the gathered full HF model, and learns."""
+ranks (real Ray workers), its weights go through the resharder to the tg = 1 rollout model after
+every update, and it learns."""
 
 from __future__ import annotations
 
@@ -24,21 +25,44 @@ def test_grpo_megatron_tp2_trains_and_syncs(ray_session, tmp_path):
     from hybridflow.controller.trainer import Trainer
     from hybridflow.engines.models import build_causal_lm
 
-    overrides = ["trainer.iterations=6", "trainer.val_interval=0", "trainer.progress=false"]
+    overrides = [
+        "trainer.iterations=6", "trainer.val_interval=0", "trainer.progress=false",
+        "trainer.save_interval=3",
+    ]
     graph = load_graph(ROOT / "graphs" / "grpo_megatron.yaml", overrides)
     assert graph.spec.models["actor"].train.engine == "megatron"
-    Trainer(graph, run_dir=str(tmp_path / "run")).fit()
+    # Stopped after iteration 3 and resumed: the fresh workers' rollout model must take the
+    # checkpoint's trained weights, not the initial ones (checked by the log-prob diff below).
+    Trainer(graph, run_dir=str(tmp_path / "run")).fit(stop_after=3)
+    Trainer(graph, run_dir=str(tmp_path / "run"), resume=True).fit()
 
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 6
     for row in rows:
         assert all(math.isfinite(v) for v in row.values()), row
         assert row["actor/skipped_step"] == 0.0
-    # Generation samples from the weights megatron just trained: after every update the full
-    # model is gathered from the TP shards into the rollout model, so the rollout's log-probs
+    # Generation samples from the weights megatron just trained: after every update the resharder
+    # gathers the generation shard (the full model at tg = 1) into the rollout model, so the rollout's log-probs
     # equal the training forward's (old_log_prob node) up to float32 noise.
     assert all(r["actor/rollout_log_prob_diff_max"] < 1e-4 for r in rows)
     assert rows[0]["actor/kl"] < 1e-6  # actor (megatron) == ref (torch) before any update
+    # The weights reach the rollout model through the resharder (tg = pg = 1, t = 2, p = 1: one
+    # micro-DP group of both ranks, dg = 2). Measured per rank: the training shard is the
+    # engine's own parameters (nothing packed); it receives the other rank's shard, holds both at
+    # the peak (the full model: the paper's M/(tg*pg)) and is back to its own after release. The
+    # paper's Table 2 counts TP-split tensors only; the norms here are replicated, so each shard
+    # is (M - R)/2 + R with R the norms' bytes, which arrive again from the peer (reported as
+    # redundant). The HF rollout model's own copy is reported apart.
+    for row in rows:
+        model, shard = row["reshard/model_bytes"], row["reshard/train_shard_bytes"]
+        replicated = row["reshard/redundant_bytes_received"]
+        assert 0 < replicated < 0.01 * model
+        assert shard == (model - replicated) / 2 + replicated
+        assert row["reshard/packed_bytes"] == 0
+        assert row["reshard/bytes_received"] == shard
+        assert row["reshard/peak_weight_bytes"] == 2 * shard
+        assert row["reshard/weight_bytes_after_release"] == shard
+        assert 0.9 * model < row["reshard/rollout_copy_bytes"] <= model  # vocab not padded
     assert rows[-1]["actor/kl"] > 0.0
     # The saved actor (gathered from the TP=2 shards) moved away from its initial weights.
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "tokenizer")

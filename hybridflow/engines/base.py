@@ -86,6 +86,11 @@ class RolloutEngine(abc.ABC):
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Take fresh weights (HF names) in memory, without a restart."""
 
+    def weight_bytes(self) -> int | None:
+        """Bytes of the weights this engine holds as its own copy (None: unknown). A sharded
+        train engine's resharder reports this apart from its own buffers."""
+        return None
+
     def offload(self) -> None:
         """Free generation memory (KV cache, ...) while training runs. No-op by default."""
 

@@ -104,6 +104,10 @@ class HFRolloutEngine(RolloutEngine):
         batch.update(fields)
         return batch
 
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters (tied ones once)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
     @torch.no_grad()
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Copy ``(HF name, tensor)`` pairs into the model's parameters in place.

@@ -96,6 +96,12 @@ def _retie_and_repack(worker: Any) -> int:
     return 1
 
 
+def _weight_bytes(worker: Any) -> int:
+    """Runs inside vLLM's worker: bytes of its model's parameters (tied ones once)."""
+    model = worker.model_runner.get_model()
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """Generates with an in-process ``vllm.LLM`` built from an HF directory.
 
@@ -243,6 +249,10 @@ class VLLMRolloutEngine(RolloutEngine):
         }
 
     # -- memory -------------------------------------------------------------------------------
+
+    def weight_bytes(self) -> int:
+        """Bytes of vLLM's own (repacked) copy of the weights."""
+        return sum(self.llm.collective_rpc(_weight_bytes))
 
     def offload(self) -> None:
         """Free the KV cache (and weights) while training runs: GPU only, no-op on CPU."""

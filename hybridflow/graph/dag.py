@@ -199,6 +199,13 @@ def _resolve_placement(
                     f"generation tp/pp ({gen.tp}/{gen.pp}) must divide training tp/pp "
                     f"({layouts[name].tp}/{layouts[name].pp})",
                 )
+            if gen.tp * gen.pp > 1:
+                raise SpecError(
+                    file,
+                    f"models.{name}.rollout.layout",
+                    f"generation tp/pp {gen.tp}/{gen.pp} is not available: the rollout engines "
+                    "generate at tp = pp = 1 (the resharder itself handles any tg, pg)",
+                )
     return placement, layouts
 
 

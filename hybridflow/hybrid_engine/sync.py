@@ -1,17 +1,30 @@
-"""Moving the actor's fresh weights from its train engine to its rollout engine.
+"""Moving the actor's fresh weights from its train engine to its rollout engine, every iteration.
 
-With the torch train engine and the transformers rollout engine in one process under the same
-layout, the rollout engine generates from the train engine's own module: ``load_weights`` finds
-every tensor already in place and copies nothing, so no weight is held twice. Engines that keep
-their own copy (vLLM) or another layout (megatron TP -> generation TP) take the weights through
-``load_weights``; resharding between layouts lives beside this module.
+Two cases, chosen by the train engine:
+
+- **Same layout** (:func:`sync_weights`): the torch train engine and a rollout engine in one
+  process. The transformers rollout engine generates from the train engine's own module:
+  ``load_weights`` finds every tensor already in place and copies nothing. vLLM keeps its own copy
+  and takes the weights through ``load_weights``.
+- **Sharded** (:class:`ReshardedSync`): a train engine whose parameters are views of a flat
+  training shard (megatron-core, TP x PP). Each iteration the resharder gathers the generation
+  shard from the micro-DP group (zero-redundancy path, or the naive one), the rollout engine
+  takes it under HF names one tensor at a time, and the received buffers are dropped before
+  training resumes. The measured bytes and peak memory go into the iteration's metrics.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from typing import Protocol
+
+from torch import Tensor
 
 from hybridflow.engines.base import RolloutEngine, TrainEngine
+from hybridflow.engines.shards import ShardSpec, TrainShardBuffer
+from hybridflow.hybrid_engine.reshard import Mode, build_groups, reshard_to_generation
+from hybridflow.spec.layout import GenerationLayout, ParallelLayout
 
 
 def sync_weights(train: TrainEngine, rollout: RolloutEngine) -> dict[str, float]:
@@ -19,3 +32,64 @@ def sync_weights(train: TrainEngine, rollout: RolloutEngine) -> dict[str, float]
     start = time.perf_counter()
     rollout.load_weights(train.named_weights())
     return {"timing/weight_sync": time.perf_counter() - start}
+
+
+class ShardedTrainEngine(Protocol):
+    """What :class:`ReshardedSync` needs of a train engine (``MegatronTrainEngine`` has it)."""
+
+    train_layout: ParallelLayout  # resolved (dp set); ranks numbered as in ``groups.py``
+    train_shard: TrainShardBuffer  # this rank's parameters live in its views
+
+    def shard_specs(self) -> list[ShardSpec]: ...
+
+    def generation_weights(self, shards, tp: int): ...
+
+
+def is_sharded(engine: object) -> bool:
+    return hasattr(engine, "train_shard") and hasattr(engine, "generation_weights")
+
+
+class ReshardedSync:
+    """The train -> generate transition of a sharded actor, through the resharder.
+
+    Built once per actor on every rank of its worker group (it creates the process groups,
+    collectively); called once per iteration after the update.
+
+    Args:
+        engine: the sharded train engine.
+        tp, pp: the generation layout (tg, pg); must divide the training tp, pp.
+        mode: ``"zero_redundancy"`` (all-gather inside each micro-DP group) or ``"naive"``
+            (gather the whole model-parallel group, then keep this rank's part).
+    """
+
+    def __init__(self, engine: ShardedTrainEngine, tp: int = 1, pp: int = 1, mode: Mode = "zero_redundancy") -> None:
+        self.engine = engine
+        self.layout = GenerationLayout(train=engine.train_layout, tp=tp, pp=pp)
+        self.mode = mode
+        self.groups = build_groups(self.layout)
+
+    def __call__(self, rollout: RolloutEngine) -> dict[str, float]:
+        start = time.perf_counter()
+        shards, stats = reshard_to_generation(
+            self.engine.train_shard, self.engine.shard_specs(), self.layout, self.groups, self.mode
+        )
+        weights = self.engine.generation_weights(shards, self.layout.tp)
+        rollout.load_weights(_counting_copies(weights, shards, stats))
+        shards.release()
+        metrics = stats.as_metrics()
+        rollout_bytes = rollout.weight_bytes()
+        if rollout_bytes is not None:
+            metrics["reshard/rollout_copy_bytes"] = float(rollout_bytes)
+        metrics["timing/weight_sync"] = time.perf_counter() - start
+        return metrics
+
+
+def _counting_copies(weights: Iterator[tuple[str, Tensor]], shards, stats) -> Iterator[tuple[str, Tensor]]:
+    """Pass ``weights`` through, adding to ``stats.materialized_bytes`` the bytes of each tensor
+    that is not a view of the resharder's buffers (a concatenation of TP pieces, a q/k/v split):
+    the transient copies the rollout engine is handed, one at a time."""
+    buffers = {p.untyped_storage().data_ptr() for pieces in shards.values() for p in pieces}
+    for name, tensor in weights:
+        if tensor.untyped_storage().data_ptr() not in buffers:
+            stats.materialized_bytes += tensor.numel() * tensor.element_size()
+        yield name, tensor

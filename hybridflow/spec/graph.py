@@ -117,7 +117,15 @@ class RolloutSpec(Spec):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1 = off.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
     layout: ParallelLayout = Field(
-        default_factory=ParallelLayout, description="Generation layout (tg, pg)."
+        default_factory=ParallelLayout,
+        description="Generation layout (tg, pg); divides the training tp, pp. The rollout "
+        "engines generate at tg = pg = 1 (one full model per rank).",
+    )
+    reshard: Literal["zero_redundancy", "naive"] = Field(
+        "zero_redundancy",
+        description="How a megatron actor's weights reach the rollout engine each iteration: "
+        "all-gather inside each micro-DP group (HybridFlow's 3D-HybridEngine), or gather the "
+        "whole model-parallel group and re-slice. Ignored for a torch actor (same layout).",
     )
     log_prob_tolerance: float | None = Field(
         None,

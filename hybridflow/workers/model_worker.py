@@ -7,6 +7,7 @@ op is a registered method with its transfer protocol; the controller never calls
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from hybridflow.engines.hf_rollout import HFRolloutEngine
 from hybridflow.engines.models import build_causal_lm, build_value_model
 from hybridflow.engines.torch_engine import TorchTrainEngine
 from hybridflow.hybrid_engine.consistency import ConsistencyStats, check_consistency
-from hybridflow.hybrid_engine.sync import sync_weights
+from hybridflow.hybrid_engine.sync import ReshardedSync, is_sharded, sync_weights
 from hybridflow.rewards.remote import RewardSources
 from hybridflow.spec.graph import GraphSpec, UpdateOptions
 from hybridflow.spec.layout import ParallelLayout
@@ -68,6 +69,7 @@ class ModelWorker(Worker):
         seed = graph_spec.trainer.seed
         self.train_engines: dict[str, TorchTrainEngine] = {}
         self.rollout_engines: dict[str, RolloutEngine] = {}
+        self.weight_syncs: dict[str, Callable[[RolloutEngine], dict[str, float]]] = {}
         self.rules = {}
         for name in models:
             model_spec = graph_spec.models[name]
@@ -89,7 +91,8 @@ class ModelWorker(Worker):
             if engine_spec.engine == "megatron":
                 # Imported here: megatron-core loads only where a graph asks for it. The engine
                 # converts `module`'s weights; `module` stays the full HF model the rollout
-                # engine generates from (tg = 1), refreshed by sync_weights after each update.
+                # engine generates from (tg = 1), refreshed through the resharder after each
+                # update (ReshardedSync).
                 from hybridflow.engines.megatron import MegatronTrainEngine
 
                 self.train_engines[name] = MegatronTrainEngine(
@@ -101,6 +104,10 @@ class ModelWorker(Worker):
                 )
             if model_spec.rollout is not None:
                 self.rollout_engines[name] = self._build_rollout(model_spec.rollout.engine, module, rank)
+                engine = self.train_engines[name]
+                if is_sharded(engine):  # collective: every rank of the group builds its groups
+                    gen = model_spec.rollout.layout
+                    self.weight_syncs[name] = ReshardedSync(engine, gen.tp, gen.pp, model_spec.rollout.reshard)
         # Different ranks must sample differently; the same rank the same way every run.
         torch.manual_seed(seed * 1000 + rank)
         self.colocation = Colocation(self.train_engines)  # Worker.execute activates per op
@@ -301,7 +308,7 @@ class ModelWorker(Worker):
             if self._inject_stale_syncs.get(model, 0) > 0:
                 self._inject_stale_syncs[model] -= 1
             else:
-                metrics.update(sync_weights(engine, self.rollout_engines[model]))
+                metrics.update(self._sync_rollout(model))
         return TensorDict({}, batch_size=batch.batch_size), {"metrics": metrics}
 
     @register(Dispatch.ONE_TO_ALL)
@@ -340,7 +347,16 @@ class ModelWorker(Worker):
             self.train_engines[name].load_state_dict(engine_state)
         for name, value in state["extra"].items():
             self.extra_state[name].load_state_dict(value)
+        for name in self.rollout_engines:  # a rollout engine with its own copy: the loaded weights
+            self._sync_rollout(name)
         torch.set_rng_state(state["torch_rng"])
+
+    def _sync_rollout(self, model: str) -> dict[str, float]:
+        """The rollout engine of ``model`` takes its train engine's current weights."""
+        rollout = self.rollout_engines[model]
+        if model in self.weight_syncs:
+            return self.weight_syncs[model](rollout)
+        return sync_weights(self.train_engines[model], rollout)
 
     @register(Dispatch.ONE_TO_ALL)
     def inject_nonfinite(self, *, model: str, target: str, count: int = 1) -> None:
