@@ -114,3 +114,50 @@ def _check(rank, world, port):
 @pytest.mark.slow
 def test_megatron_shards_reshard_to_hf_and_tg2_models():
     spawn(_check, 4)
+
+
+def _check_grid(rank, world, port):
+    """Every training layout (p, t, d) of 4 ranks x every generation layout (pg, tg), both paths:
+    the generation shard gathered from the real engine's parameter buffer is bitwise the slice of
+    the full weights a (pg, tg) model needs, and nothing was packed."""
+    init_dist(rank, world, port)
+    from megatron.core import parallel_state as ps
+
+    from hybridflow.engines.megatron import Dims, MegatronTrainEngine
+    from hybridflow.engines.megatron.convert import resharding_full
+    from hybridflow.hybrid_engine.groups import train_coords
+    from hybridflow.hybrid_engine.reshard import build_groups, reference_generation_shard, reshard_to_generation
+
+    hf = tiny_hf(tied=False, num_hidden_layers=4, **HEADS)
+    dims = Dims.from_hf(hf.config)
+    checked = 0
+    for p, t in [(1, 4), (2, 2), (4, 1), (1, 2), (2, 1)]:
+        train = ParallelLayout(tp=t, pp=p).resolve(world)
+        engine = MegatronTrainEngine(
+            copy.deepcopy(hf), TrainEngineSpec(engine="megatron", layout=train, micro_batch_size=2)
+        )
+        c = train_coords(train, rank)
+        assert (c.tp, c.pp) == (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+        specs = engine.shard_specs()
+        full = resharding_full(hf.state_dict(), dims, t)
+        for pg in [k for k in range(1, p + 1) if p % k == 0]:
+            for tg in [k for k in range(1, t + 1) if t % k == 0]:
+                gen = GenerationLayout(train=train, tp=tg, pp=pg)
+                groups = build_groups(gen)
+                expected = reference_generation_shard(full, specs, gen, rank)
+                for mode in ("zero_redundancy", "naive"):
+                    shards, stats = reshard_to_generation(engine.train_shard, specs, gen, groups, mode)
+                    assert stats.packed_bytes == 0
+                    assert set(shards) == set(expected), (p, t, pg, tg, mode)
+                    for name, tensor in expected.items():
+                        assert torch.equal(shards.tensor(name), tensor), (p, t, pg, tg, mode, name)
+                    shards.release()
+                    checked += 1
+        del engine
+        ps.destroy_model_parallel()
+    assert checked == 2 * (3 + 2 * 2 + 3 + 2 + 2)
+
+
+@pytest.mark.slow
+def test_megatron_buffer_reshards_bitwise_over_the_layout_grid():
+    spawn(_check_grid, 4)

@@ -187,25 +187,35 @@ class HybridGroups:
 _GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
 
 
-def _group(ranks: list[int], backend: str | None) -> dist.ProcessGroup | None:
-    """A process group over ``ranks``, created once per rank set (and default group)."""
+def _group(ranks: tuple[int, ...], backend: str | None) -> dist.ProcessGroup | None:
+    """The process group over ``ranks``, created once per rank set (and default group). Every
+    rank of the world calls this for every group, in the same order."""
     if len(ranks) == 1:
         return None
-    key = (id(dist.group.WORLD), tuple(ranks))
+    key = (id(dist.group.WORLD), ranks)
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+        _GROUPS[key] = dist.new_group(list(ranks), backend=backend)
     return _GROUPS[key]
 
 
 def build_groups(gen: GenerationLayout, backend: str | None = None) -> HybridGroups:
-    """This rank's micro-DP and model-parallel process groups. Every rank of the training layout
-    calls it with the same layout; only a group's members take part in creating it."""
+    """This rank's micro-DP and model-parallel process groups.
+
+    Collective over the whole world, which the training layout must span: every rank calls it
+    with the same layout, and every group of the layout is created on every rank in one global
+    order, as megatron's ``parallel_state`` does. (Creating only a rank's own groups, with local
+    synchronisation, can hang: torch names such a group by its ranks *and* the number of groups
+    the calling process already has, which differs between ranks once other layouts' groups
+    exist.)
+    """
+    world = dist.get_world_size()
+    if gen.train.world_size != world:
+        raise ValueError(f"the training layout has {gen.train.world_size} ranks, the world {world}")
     rank = dist.get_rank()
+    every = {tuple(g) for g in micro_dp_groups(gen)} | {tuple(g) for g in model_parallel_groups(gen.train)}
+    groups = {ranks: _group(ranks, backend) for ranks in sorted(every)}
     (micro,) = [g for g in micro_dp_groups(gen) if rank in g]
     (mp,) = [g for g in model_parallel_groups(gen.train) if rank in g]
-    groups = {}
-    for ranks in sorted({tuple(micro), tuple(mp)}):  # the same creation order on every member
-        groups[ranks] = _group(list(ranks), backend)
     return HybridGroups(rank, micro, groups[tuple(micro)], mp, groups[tuple(mp)])
 
 
