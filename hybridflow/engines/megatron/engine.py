@@ -21,6 +21,11 @@ all ranks). The ranks of one model-parallel group (TP x PP, one data-parallel re
 all-gather their pieces, run the union through the model together, and each returns the outputs
 of its own piece. ``same_batch_on_model_parallel_ranks=True`` skips the gather for callers that
 already give every rank of a model-parallel group the same batch (``Dispatch.DP_3D``).
+
+Weights: the parameters are views of one flat tensor per rank, ``train_shard``, laid out by
+``convert.shard_specs`` and set before megatron's DDP and optimizer take them. The
+3D-HybridEngine gathers generation shards straight from it (``hybridflow.hybrid_engine.sync``);
+``full_hf_state`` is the naive full gather that ``save_hf`` uses.
 """
 
 from __future__ import annotations
@@ -394,7 +399,7 @@ class MegatronTrainEngine(TrainEngine):
 
     @torch.no_grad()
     def load_full_into(self, hf_model) -> None:
-        """Copy the gathered full weights into ``hf_model`` (e.g. the tg=1 rollout model)."""
+        """Copy the gathered full weights into ``hf_model`` (what ``save_hf`` writes)."""
         state = self.full_hf_state()
         for name, param in hf_model.named_parameters():
             param.copy_(state[name])
