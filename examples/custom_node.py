@@ -13,10 +13,11 @@ docs/extending.md.)::
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
+
+from example_args import parse_args
 
 HERE = Path(__file__).resolve().parent
 
@@ -33,24 +34,21 @@ def build(iterations: int):
     g.model("length_monitor", role="cost", source={"rule": "custom_node:length_cost"})
     g.place({"actor": "default", "ref": "default", "reward": "default", "length_monitor": "default"})
     g.node("response_length", "score", model="length_monitor", inputs=["responses"], outputs=["costs"])
-    g.trainer(iterations=iterations, val_interval=iterations, sample_interval=1)
+    g.trainer(sample_interval=1)
+    if iterations:  # 0: the library's default length
+        g.trainer(iterations=iterations, val_interval=iterations)
     return g.build()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--run-dir", default=None)
-    args = parser.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    args = parse_args(__doc__)
     os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
     sys.path.insert(0, str(HERE))
 
     from hybridflow import run
-
-    graph = build(args.iterations)
     from hybridflow.graph.render import describe
 
+    graph = build(args.iterations)
     print(describe(graph))
     print(run(graph, run_dir=args.run_dir))
 

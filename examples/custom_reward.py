@@ -13,10 +13,11 @@ script puts ``examples/`` there before Ray starts (on a cluster, install the mod
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
+
+from example_args import parse_args, run_builder
 
 HERE = Path(__file__).resolve().parent
 REWARD = "custom_reward:exact_or_partial"
@@ -37,21 +38,14 @@ def exact_or_partial(prompt: str, response: str, ground_truth: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--run-dir", default=None)
-    args = parser.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    args = parse_args(__doc__)
     os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
     sys.path.insert(0, str(HERE))
 
-    from hybridflow import run
     from hybridflow.graph import library
 
     algorithm = getattr(library, "ppo", None) or library.grpo
-    builder = algorithm(reward_fn=REWARD)
-    builder.trainer(iterations=args.iterations, val_interval=args.iterations, sample_interval=1)
-    print(run(builder.build(), run_dir=args.run_dir))
+    run_builder(algorithm(reward_fn=REWARD), args, val_interval=args.iterations, sample_interval=1)
 
 
 if __name__ == "__main__":

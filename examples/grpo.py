@@ -9,24 +9,13 @@ graph file's defaults (the measured run in the README) with ``--iterations 0``::
 
 from __future__ import annotations
 
-import argparse
-import os
+from example_args import parse_args, run_builder
 
-from hybridflow import run
 from hybridflow.graph.library import grpo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=20, help="0 = the graph's default")
-    parser.add_argument("--run-dir", default=None)
-    args = parser.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    builder = grpo()
-    if args.iterations:
-        builder.trainer(iterations=args.iterations, val_interval=0)
-    summary = run(builder.build(), run_dir=args.run_dir)
-    print(summary)
+    run_builder(grpo(), parse_args(__doc__))
 
 
 if __name__ == "__main__":

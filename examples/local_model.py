@@ -14,9 +14,9 @@ must suit it).
 
 from __future__ import annotations
 
-import argparse
-import os
 from pathlib import Path
+
+from example_args import parse_args, run_builder
 
 
 def write_tiny_model(model_dir: Path) -> None:
@@ -44,22 +44,14 @@ def write_tiny_model(model_dir: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--model-dir", default="runs/tiny-qwen2")
-    parser.add_argument("--run-dir", default=None)
-    args = parser.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    args = parse_args(__doc__, **{"--model-dir": {"default": "runs/tiny-qwen2"}})
 
-    from hybridflow import run
     from hybridflow.graph.library import grpo
 
     model_dir = Path(args.model_dir).resolve()
     if not (model_dir / "config.json").is_file():
         write_tiny_model(model_dir)
-    builder = grpo(n=8, source={"path": str(model_dir)})
-    builder.trainer(iterations=args.iterations, val_interval=args.iterations)
-    print(run(builder.build(), run_dir=args.run_dir))
+    run_builder(grpo(n=8, source={"path": str(model_dir)}), args, val_interval=args.iterations)
 
 
 if __name__ == "__main__":
