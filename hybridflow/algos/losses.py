@@ -26,78 +26,38 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 # -- aggregation ---------------------------------------------------------------------------
-# Every mode takes ``(loss_mat (B, R), mask (B, R), num_tokens, num_seqs)``; the two counts are
-# the *global* numbers of valid tokens and of sequences (all micro-batches, all data-parallel
-# ranks), so that summing the returned micro-batch losses gives the full-batch value. Left as
-# None they are this call's own counts (clamped at 1).
-
-
-def _counts(mask: torch.Tensor, num_tokens, num_seqs) -> tuple:
-    if num_tokens is None:
-        num_tokens = mask.sum().clamp(min=1)
-    if num_seqs is None:
-        num_seqs = max(mask.shape[0], 1)
-    return num_tokens, num_seqs
+# ``agg_loss`` masks the (B, R) loss matrix and resolves the two counts once; every registered
+# mode then takes ``(masked, mask, num_tokens, num_seqs)``: ``masked = loss_mat * mask``, ``mask``
+# in the loss's dtype, and the *global* numbers of valid tokens and of sequences (all
+# micro-batches, all data-parallel ranks), so that summing the returned micro-batch losses gives
+# the full-batch value. Left as None by the caller they are this call's own counts (at least 1).
 
 
 @LOSS_AGGS.register("token-mean")
-def token_mean(
-    loss_mat: torch.Tensor,
-    mask: torch.Tensor,
-    num_tokens: float | torch.Tensor | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``sum(loss_mat * mask) / num_tokens``: every valid token weighs the same. () float."""
-    mask = mask.to(loss_mat.dtype)
-    num_tokens, _ = _counts(mask, num_tokens, num_seqs)
-    return (loss_mat * mask).sum() / num_tokens
+def token_mean(masked: torch.Tensor, mask: torch.Tensor, num_tokens, num_seqs) -> torch.Tensor:
+    """``sum(loss * mask) / num_tokens``: every valid token weighs the same."""
+    return masked.sum() / num_tokens
 
 
 @LOSS_AGGS.register("seq-mean-token-sum")
-def seq_mean_token_sum(
-    loss_mat: torch.Tensor,
-    mask: torch.Tensor,
-    num_tokens: float | torch.Tensor | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``sum_i (sum_t loss_it * mask_it) / num_seqs``: long sequences weigh more. () float."""
-    mask = mask.to(loss_mat.dtype)
-    _, num_seqs = _counts(mask, num_tokens, num_seqs)
-    return (loss_mat * mask).sum(-1).sum() / num_seqs
+def seq_mean_token_sum(masked: torch.Tensor, mask: torch.Tensor, num_tokens, num_seqs) -> torch.Tensor:
+    """``sum_i (sum_t loss_it * mask_it) / num_seqs``: long sequences weigh more."""
+    return masked.sum() / num_seqs
 
 
 @LOSS_AGGS.register("seq-mean-token-mean")
-def seq_mean_token_mean(
-    loss_mat: torch.Tensor,
-    mask: torch.Tensor,
-    num_tokens: float | torch.Tensor | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``sum_i mean_t(loss_it over valid t) / num_seqs``: every sequence weighs the same.
-
-    A sequence without valid tokens contributes 0 (and still counts in ``num_seqs``). () float.
-    """
-    mask = mask.to(loss_mat.dtype)
-    _, num_seqs = _counts(mask, num_tokens, num_seqs)
-    per_seq = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    return per_seq.sum() / num_seqs
+def seq_mean_token_mean(masked: torch.Tensor, mask: torch.Tensor, num_tokens, num_seqs) -> torch.Tensor:
+    """``sum_i mean_t(loss_it over valid t) / num_seqs``: every sequence weighs the same. A
+    sequence without valid tokens contributes 0 (and still counts in ``num_seqs``)."""
+    return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_seqs
 
 
 @LOSS_AGGS.register("seq-mean-token-sum-norm")
-def seq_mean_token_sum_norm(
-    loss_mat: torch.Tensor,
-    mask: torch.Tensor,
-    num_tokens: float | torch.Tensor | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``sum(loss_mat * mask) / (num_seqs * R)``: token sums over a constant (Dr.GRPO).
-
-    ``R = loss_mat.shape[1]``, the maximum response length, so the weight of a token does not
-    depend on the lengths of the other responses in the batch. () float.
-    """
-    mask = mask.to(loss_mat.dtype)
-    _, num_seqs = _counts(mask, num_tokens, num_seqs)
-    return (loss_mat * mask).sum() / (num_seqs * loss_mat.shape[1])
+def seq_mean_token_sum_norm(masked: torch.Tensor, mask: torch.Tensor, num_tokens, num_seqs) -> torch.Tensor:
+    """``sum(loss * mask) / (num_seqs * R)``: token sums over a constant (Dr.GRPO). ``R`` is the
+    maximum response length, so a token's weight does not depend on the other responses'
+    lengths."""
+    return masked.sum() / (num_seqs * masked.shape[1])
 
 
 def agg_loss(
@@ -107,12 +67,17 @@ def agg_loss(
     normalizer: float | torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reduce a (B, R) loss matrix under ``mask`` (B, R) to a scalar with the ``LOSS_AGGS`` mode.
+    """Reduce a (B, R) loss matrix under ``mask`` (B, R) to a () scalar with a ``LOSS_AGGS`` mode.
 
     ``normalizer`` is the global number of valid tokens, ``num_seqs`` the global number of
-    sequences (see the modes above); None = this call's own counts.
+    sequences (see above); None = this call's own counts.
     """
-    return LOSS_AGGS.get(mode)(loss_mat, mask, num_tokens=normalizer, num_seqs=num_seqs)
+    mask = mask.to(loss_mat.dtype)
+    if normalizer is None:
+        normalizer = mask.sum().clamp(min=1)
+    if num_seqs is None:
+        num_seqs = max(mask.shape[0], 1)
+    return LOSS_AGGS.get(mode)(loss_mat * mask, mask, normalizer, num_seqs)
 
 
 # -- policy losses -------------------------------------------------------------------------
