@@ -24,6 +24,7 @@ from hybridflow.workers.protocols import (
     register_protocol,
     resolve,
     tensor_bytes,
+    text_table,
     from_wire,
     to_wire,
 )
@@ -266,6 +267,21 @@ def test_dispatch_table_walks_the_mro_without_scanning():
     assert "forward" not in dispatch_table(type("Plain", (), {}))
 
 
+def test_text_table_and_text_false_only_for_dp_protocols():
+    class Methods:
+        @register(Dispatch.DP_SPLIT, text=False)
+        def forward(self, batch):
+            return batch, {}
+
+        @register(Dispatch.DP_3D)
+        def score(self, batch):
+            return batch, {}
+
+    assert text_table(Methods) == {"forward": False, "score": True}
+    with pytest.raises(ValueError, match="text=False applies to DP_SPLIT and DP_3D"):
+        register(Dispatch.ONE_TO_ALL, text=False)
+
+
 def test_register_rejects_unknown_protocols_at_definition():
     with pytest.raises(KeyError, match="unknown transfer protocol 'no_such'"):
         register("no_such")
@@ -332,6 +348,14 @@ class ToyWorker(Worker):
         return out, {"rank": self.rank, "groups_whole": groups_whole}
 
     @register(Dispatch.DP_SPLIT)
+    def keys_seen(self, batch: TensorDict) -> tuple[TensorDict, dict]:
+        return TensorDict({}, batch_size=batch.batch_size), {"keys": sorted(batch.keys())}
+
+    @register(Dispatch.DP_SPLIT, text=False)
+    def tensor_keys_seen(self, batch: TensorDict) -> tuple[TensorDict, dict]:
+        return TensorDict({}, batch_size=batch.batch_size), {"keys": sorted(batch.keys())}
+
+    @register(Dispatch.DP_SPLIT)
     def broken(self, batch: TensorDict) -> TensorDict:
         return batch
 
@@ -382,6 +406,14 @@ def groups(ray_session):
     for group in (group_a, group_b):
         group.shutdown()
         group.pool.remove()
+
+
+def test_text_false_method_gets_no_strings(groups):
+    """The registration decides whether the ranks' batches carry the per-sample strings."""
+    group_a, _ = groups
+    for method, keys in (("keys_seen", ["prompt_text", "uid", "x"]), ("tensor_keys_seen", ["uid", "x"])):
+        _, metas = group_a.call(method, [_source([2, 2])], group_size=1).result()
+        assert [meta["keys"] for meta in metas] == [keys, keys], method
 
 
 def test_one_to_all_reaches_every_rank(groups):

@@ -107,8 +107,8 @@ class _Pending:
 
 
 def _predict_output(
-    graph: Graph, node: Node, group: WorkerGroup, method: str, inputs: list[ShardedRef],
-    input_group_size: int, handle,
+    group: WorkerGroup, method: str, inputs: list[ShardedRef], input_group_size: int,
+    output_group_size: int, handle,
 ) -> ShardedRef | None:
     """The output ShardedRef of a just-submitted DP_SPLIT call, when no rank gets padding."""
     if group.dispatch_of(method) != Dispatch.DP_SPLIT or len(handle.data_refs) != group.world_size:
@@ -116,7 +116,9 @@ def _predict_output(
     total = inputs[0].total
     if total % (input_group_size * group.world_size):
         return None  # uneven: padded ranks report fewer real rows
-    expansion = _output_group_size(graph, node, 1) if node.op == "generate" else 1  # rows out per row in
+    # rows out per row in: a generate node's samples per prompt (its input is prompts, group
+    # size 1); 1 for every other op (output_group_size == input_group_size)
+    expansion = output_group_size // input_group_size
     rows = total // group.world_size * expansion
     return ShardedRef(refs=list(handle.data_refs), sizes=[rows] * group.world_size)
 
@@ -165,13 +167,11 @@ def run_nodes(
             method, kwargs = _call_args(graph, node)
             group_size = max(size for _, size in inputs)
             data = [sharded for sharded, _ in inputs]
-            if group.dispatch_of(method) in (Dispatch.DP_SPLIT, Dispatch.DP_3D):
-                # Per-sample strings (prompt text, ground truth): read by rules, carried by generate.
-                kwargs["with_text"] = node.op in ("score", "generate")
             handle = group.call(method, data, group_size=group_size, **kwargs)
+            output_group_size = _output_group_size(graph, node, group_size)
             pending[node.name] = _Pending(
-                handle, time.perf_counter(), _output_group_size(graph, node, group_size), group,
-                _predict_output(graph, node, group, method, data, group_size, handle),
+                handle, time.perf_counter(), output_group_size, group,
+                _predict_output(group, method, data, group_size, output_group_size, handle),
             )
             remaining.remove(node)
         if not pending:

@@ -31,6 +31,7 @@ from hybridflow.workers.protocols import (
     controller_get,
     dispatch_table,
     get_protocol,
+    text_table,
 )
 
 __all__ = ["PendingShards", "WorkerGroup"]
@@ -54,6 +55,7 @@ class WorkerGroup:
         self.pool = pool
         self.worker_cls = worker_cls
         self._dispatch = dispatch_table(worker_cls)
+        self._text = text_table(worker_cls)
         self._workers: list[ray.actor.ActorHandle] = []
 
         pool.create()
@@ -129,6 +131,8 @@ class WorkerGroup:
         if not self._workers:
             raise RuntimeError(f"worker group {self.name!r} is shut down")
         protocol = get_protocol(self.dispatch_of(method_name))
+        if not self._text[method_name]:
+            kwargs = {"with_text": False, **kwargs}
         per_rank = protocol.split(self.world_size, args, kwargs)
         assert len(per_rank) == self.world_size, "protocol.split must give one payload per rank"
         returns = []

@@ -169,7 +169,7 @@ class ModelWorker(Worker):
         }
         return out, {"metrics": metrics, "sums": {"rollout/num_tokens": float(response_mask.sum())}}
 
-    @register(Dispatch.DP_SPLIT)
+    @register(Dispatch.DP_SPLIT, text=False)
     def log_prob(
         self, batch: TensorDict, *, model: str, output_key: str, temperature: float
     ) -> tuple[TensorDict, dict]:
@@ -236,14 +236,14 @@ class ModelWorker(Worker):
             for r, text in zip(rows, responses)
         ]
 
-    @register(Dispatch.DP_SPLIT)
+    @register(Dispatch.DP_SPLIT, text=False)
     def compute_values(self, batch: TensorDict, *, model: str, output_key: str) -> tuple[TensorDict, dict]:
         values = self.train_engines[model].forward(batch)[K.VALUES]
         result = TensorDict({output_key: values}, batch_size=batch.batch_size)
         metrics = {f"{model}/values_mean": float(masked_mean(values, batch[K.RESPONSE_MASK]))}
         return result, {"metrics": metrics}
 
-    @register(Dispatch.DP_SPLIT)
+    @register(Dispatch.DP_SPLIT, text=False)
     def advantage(
         self,
         batch: TensorDict,
@@ -258,7 +258,7 @@ class ModelWorker(Worker):
         )
         return result, {"metrics": metrics}
 
-    @register(Dispatch.DP_SPLIT)
+    @register(Dispatch.DP_SPLIT, text=False)
     def update(
         self,
         batch: TensorDict,

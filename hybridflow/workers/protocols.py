@@ -96,9 +96,12 @@ def to_wire(batch: TensorDictBase) -> WireBatch | TensorDictBase:
 
 def from_wire(stored: WireBatch | TensorDictBase, with_text: bool = True) -> TensorDictBase:
     """The batch ``stored`` holds; ``with_text=False`` leaves out its non-tensor fields (building
-    a ``NonTensorStack`` of 256 strings takes ~0.5 ms, and only score and generate read them)."""
+    a ``NonTensorStack`` of 256 strings takes ~0.5 ms, and only the methods registered with
+    ``text=True`` read them)."""
     if not isinstance(stored, WireBatch):
-        return stored
+        if with_text:
+            return stored
+        return stored.exclude(*[k for k in stored.keys() if is_non_tensor(stored.get(k))])
     batch = TensorDict(stored.tensors, batch_size=stored.batch_size)
     for key, values in stored.lists.items() if with_text else ():
         batch.set(key, NonTensorStack.from_list(values))
@@ -456,42 +459,60 @@ def protocol_names() -> list[str]:
 
 DISPATCH_ATTR = "__hybridflow_dispatch__"  # on a registered function: its Dispatch / name
 _TABLE_ATTR = "__hybridflow_dispatch_table__"  # on a class: {method name: dispatch}, own methods
+_TEXT_ATTR = "__hybridflow_text_table__"  # on a class: {method name: reads per-sample strings}
+_TEXT_PROTOCOLS = (Dispatch.DP_SPLIT, Dispatch.DP_3D)  # the ones that take ``with_text=``
 
 
 class _Registration:
     """What ``register`` returns inside a class body; swaps itself for the plain function.
 
     ``__set_name__`` runs once when the class is created: it records the method in the class's
-    own table and puts the undecorated function back, so Ray and Python see an ordinary method.
+    own tables and puts the undecorated function back, so Ray and Python see an ordinary method.
     """
 
-    def __init__(self, fn: Callable, dispatch: Dispatch | str) -> None:
+    def __init__(self, fn: Callable, dispatch: Dispatch | str, text: bool) -> None:
         self.fn = fn
         self.dispatch = dispatch
+        self.text = text
 
     def __set_name__(self, owner: type, name: str) -> None:
-        table = owner.__dict__.get(_TABLE_ATTR)
-        if table is None:
-            table = {}
-            setattr(owner, _TABLE_ATTR, table)
-        table[name] = self.dispatch
+        for attr, value in ((_TABLE_ATTR, self.dispatch), (_TEXT_ATTR, self.text)):
+            table = owner.__dict__.get(attr)
+            if table is None:
+                table = {}
+                setattr(owner, attr, table)
+            table[name] = value
         setattr(owner, name, self.fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
 
 
-def register(dispatch: Dispatch | str) -> Callable[[Callable], Any]:
-    """Declare a worker method's transfer protocol (a ``Dispatch`` or a registered name)."""
+def register(dispatch: Dispatch | str, *, text: bool = True) -> Callable[[Callable], Any]:
+    """Declare a worker method's transfer protocol (a ``Dispatch`` or a registered name).
+
+    ``text=False`` (DP_SPLIT and DP_3D methods): the method reads only tensors, so its ranks get
+    their batches without the per-sample strings (prompt text, ground truth), which are then
+    neither sent nor rebuilt.
+    """
     name = str(dispatch)
     get_protocol(name)  # fail at class definition, not at the first call
     mode: Dispatch | str = Dispatch(name) if name in Dispatch._value2member_map_ else name
+    if not text and mode not in _TEXT_PROTOCOLS:
+        raise ValueError(f"text=False applies to DP_SPLIT and DP_3D methods, not {name!r}")
 
     def decorate(fn: Callable) -> _Registration:
         setattr(fn, DISPATCH_ATTR, mode)
-        return _Registration(fn, mode)
+        return _Registration(fn, mode, text)
 
     return decorate
+
+
+def _class_table(worker_cls: type, attr: str) -> dict:
+    table: dict = {}
+    for klass in reversed(worker_cls.__mro__):
+        table.update(klass.__dict__.get(attr, {}))
+    return table
 
 
 def dispatch_table(worker_cls: type) -> dict[str, Dispatch | str]:
@@ -500,10 +521,12 @@ def dispatch_table(worker_cls: type) -> dict[str, Dispatch | str]:
     Walks the MRO from the root down, so a subclass's registration overrides its base's; a
     method overridden without ``register`` keeps the base's dispatch.
     """
-    table: dict[str, Dispatch | str] = {}
-    for klass in reversed(worker_cls.__mro__):
-        table.update(klass.__dict__.get(_TABLE_ATTR, {}))
-    return table
+    return _class_table(worker_cls, _TABLE_ATTR)
+
+
+def text_table(worker_cls: type) -> dict[str, bool]:
+    """``{method name: whether it reads per-sample strings}``, like :func:`dispatch_table`."""
+    return _class_table(worker_cls, _TEXT_ATTR)
 
 
 # -- the built-in protocols -----------------------------------------------------------------------
