@@ -211,10 +211,10 @@ def run_calibration(
             f"oversubscription exponent {profile.oversubscription:.2f}")
     for m, row in zip(measurements, rows, strict=True):
         row["fitted_seconds"] = fitted.time(m.work)
+    final = AutoMapper(sim_graph, profile, 1, 1).sim  # with the oversubscription term
     for devices, seconds, work, shape in oversubscribed:
         rows.append({"shape": shape, "node": "iteration", "seconds": seconds,
-                     "fitted_seconds": sum(fitted.time(w) for w in work) * AutoMapper(
-                         sim_graph, profile, devices, devices).sim.contention(devices)})
+                     "fitted_seconds": sum(final.time(w) for w in work) * final.contention(devices)})
     return profile, rows
 
 
