@@ -137,6 +137,12 @@ class _IgnoresPositions(torch.nn.Module):
 def test_a_model_that_ignores_packing_is_refused():
     model = build_causal_lm(TINY, VOCAB, PAD, EOS, seed=2)
     check_packing(model)  # a transformers model passes
+    # Another model of the same class and config (the reference, say) is not probed again.
+    other, calls = build_causal_lm(TINY, VOCAB, PAD, EOS, seed=3), []
+    forward = other.forward
+    other.forward = lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)
+    check_packing(other)
+    assert calls == []
     with pytest.raises(ValueError, match="does not keep packed sequences apart.*remove_padding: false"):
         TorchTrainEngine(_IgnoresPositions(model), TrainEngineSpec())
     TorchTrainEngine(_IgnoresPositions(model), TrainEngineSpec(remove_padding=False))  # padded: fine

@@ -46,6 +46,11 @@ def lr_factor(step: int, optim: OptimSpec, total_steps: int) -> float:
     return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * cosine
 
 
+# (model class, config) pairs whose forward passed the probe: the actor, the reference and a
+# critic of one architecture are probed once per process.
+_PACKING_CHECKED: set[tuple[type, str]] = set()
+
+
 @torch.no_grad()
 def check_packing(model: nn.Module) -> None:
     """Refuse a model whose forward does not keep packed sequences apart.
@@ -53,8 +58,12 @@ def check_packing(model: nn.Module) -> None:
     Packing relies on the model building its attention mask from restarting position ids (as
     transformers' own architectures do when no mask is passed). A model that ignores them would
     let samples attend to each other without any error, so two short probe sequences go through
-    the model padded and packed, and their outputs must agree.
+    the model padded and packed, and their outputs must agree. The answer depends on the
+    architecture only, so it is kept per model class and config.
     """
+    key = (type(model), repr(getattr(model, "config", None)))
+    if key in _PACKING_CHECKED:
+        return
     device = next(model.parameters()).device
     vocab = getattr(model.config, "vocab_size", 2)
     # Lengths 3 and 5 in a width of 8: packed, both share one row.
@@ -79,6 +88,7 @@ def check_packing(model: nn.Module) -> None:
             f"train.remove_padding: {type(model).__name__} does not keep packed sequences apart "
             f"(packed vs padded outputs differ by {diff:.2g}); set remove_padding: false for it"
         )
+    _PACKING_CHECKED.add(key)
 
 
 class TorchTrainEngine(TrainEngine):
