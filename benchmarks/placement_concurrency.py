@@ -4,7 +4,7 @@
 
 Runs the same graph twice on one local Ray (same seed, same data): once as the executor runs it
 (every node whose inputs are ready is submitted, so nodes on disjoint pools overlap) and once
-with ``Trainer.serial = True``. Prints the median iteration time (first iteration dropped: it
+with ``trainer.serial=true``. Prints the median iteration time (first iteration dropped: it
 includes warm-up) and the median time of each node, then a Markdown table for
 benchmarks/RESULTS.md. On a machine with fewer cores than ranks the pools share cores, so the
 gain is bounded by the idle time the overlap can fill; on separate devices it is larger.
@@ -26,10 +26,9 @@ def _run(graph_file: str, overrides: list[str], serial: bool) -> list[dict]:
     from hybridflow.controller.trainer import Trainer
     from hybridflow.graph.dag import load_graph
 
-    graph = load_graph(graph_file, overrides)
+    graph = load_graph(graph_file, [*overrides, f"trainer.serial={str(serial).lower()}"])
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(graph, run_dir=run_dir)
-        trainer.serial = serial
         trainer.fit()
     return trainer.history
 

@@ -22,7 +22,6 @@ def _iterations(tmp_path, tag: str, overrides: list[str], serial: bool, count: i
 
     trainer = Trainer(load_graph(GRPO, [*SHORT, *overrides]), run_dir=str(tmp_path / tag))
     trainer._setup()
-    trainer.serial = serial
     out = []
     try:
         for iteration in range(1, count + 1):

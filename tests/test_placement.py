@@ -45,9 +45,8 @@ def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
 def _run(tmp_path: Path, graph_file: str, *, serial: bool = False):
     from hybridflow.controller.trainer import Trainer
 
-    trainer = Trainer(load_graph(ROOT / graph_file, SMALL), run_dir=str(tmp_path / "run"))
-    trainer.trace_interval = 1
-    trainer.serial = serial
+    overrides = [*SMALL, "trainer.trace_interval=1", f"trainer.serial={str(serial).lower()}"]
+    trainer = Trainer(load_graph(ROOT / graph_file, overrides), run_dir=str(tmp_path / "run"))
     trainer.fit()
     traces = sorted((tmp_path / "run" / "trace").glob("iteration_*.json"))
     return trainer, [json.loads(path.read_text()) for path in traces]

@@ -39,10 +39,6 @@ def _parser() -> argparse.ArgumentParser:
         help="continue the run in --run-dir (default: the newest under trainer.save_dir) from its "
         "newest complete checkpoint",
     )
-    run.add_argument("--trace-interval", type=int, default=0, metavar="N",
-                     help="write every N-th iteration's timeline as Chrome-trace JSON to RUN_DIR/trace/")
-    run.add_argument("--serial", action="store_true",
-                     help="run one node at a time (no overlap across pools; for comparison)")
 
     validate = sub.add_parser("validate", help="check graph files without starting anything")
     validate.add_argument("graphs", nargs="+")
@@ -146,7 +142,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from hybridflow.controller.trainer import Trainer
 
     trainer = Trainer(graph, address=args.address, run_dir=args.run_dir, resume=args.resume)
-    trainer.trace_interval, trainer.serial = args.trace_interval, args.serial
     summary = trainer.fit()
     print(summary)
     return 0

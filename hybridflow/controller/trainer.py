@@ -56,14 +56,7 @@ class Trainer:
     controller keeps across iterations (a KL controller, a Lagrange multiplier); they are
     checkpointed and restored with the run. (Workers have the same hook:
     ``ModelWorker.extra_state``.)
-
-    Placement options (attributes, set before ``fit()``): ``trace_interval`` N > 0 writes every
-    N-th iteration's timeline as Chrome-trace JSON to ``run_dir/trace/iteration_NNNNN.json``
-    (default 0: never); ``serial=True`` runs one node at a time (no overlap across pools).
     """
-
-    trace_interval: int = 0
-    serial: bool = False
 
     def __init__(
         self,
@@ -156,8 +149,9 @@ class Trainer:
     def step(self, iteration: int) -> dict:
         t0 = time.perf_counter()
         prompts = self.dataset.next_batch()
-        result = run_nodes(self.graph, list(self.graph.nodes), self.groups, self._put(prompts), serial=self.serial)
-        if self.trace_interval and iteration % self.trace_interval == 0:
+        options = self.spec.trainer
+        result = run_nodes(self.graph, list(self.graph.nodes), self.groups, self._put(prompts), serial=options.serial)
+        if options.trace_interval and iteration % options.trace_interval == 0:
             trace_file = self.run_dir / "trace" / f"iteration_{iteration:05d}.json"
             trace_file.parent.mkdir(exist_ok=True)
             trace_file.write_text(json.dumps(chrome_trace(result.timeline, iteration)))

@@ -347,6 +347,16 @@ class TrainerSpec(Spec):
     save_dir: str = Field("runs/{name}", description="Run directory ({name} = graph name).")
     save_final: bool = Field(True, description="Save the final actor in HF format.")
     progress: bool = Field(True, description="Show a progress bar.")
+    trace_interval: int = Field(
+        0,
+        ge=0,
+        description="Write every N-th iteration's per-node, per-rank timeline as Chrome-trace "
+        "JSON to RUN_DIR/trace/iteration_NNNNN.json; 0 = never.",
+    )
+    serial: bool = Field(
+        False,
+        description="Run one node at a time (no overlap across pools); for comparing placements.",
+    )
     loggers: list[Literal["console", "tensorboard"]] = Field(
         ["console"],
         description="Metric sinks besides RUN_DIR/metrics.jsonl, which is always written: "
