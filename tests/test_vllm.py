@@ -128,6 +128,8 @@ class VLLMProbeWorker(Worker):
             "after": after,
             "sync": sync,
             "last_load": dict(self.vllm.last_load),
+            "weight_bytes": self.vllm.weight_bytes(),
+            "train_bytes": sum(t.numel() * t.element_size() for _, t in self.train.named_weights()),
             "dist_world": torch.distributed.get_world_size(),
             "sampled_uid": sampled[K.UID],
             "sampled_text": list(sampled[K.PROMPT_TEXT]),
@@ -169,6 +171,7 @@ def _assert_probe(results: list[dict], world: int, tol: float = 1e-4) -> None:
         assert not torch.equal(before["vllm_tokens"], after["vllm_tokens"])
         assert (before["vllm_lp"] - after["vllm_lp"]).abs().max() > 0.1
         assert res["last_load"]["loaded"] >= 20 and res["last_load"]["repacked"] == 1
+        assert res["weight_bytes"] == res["train_bytes"]  # vLLM's own copy, reported as loaded
         # Sampling: n adjacent samples per prompt, per-prompt fields repeated, rollout log-probs
         # at the sampled tokens equal the train engine's, zero outside the mask.
         assert res["sampled_uid"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]

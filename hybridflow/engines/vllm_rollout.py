@@ -96,12 +96,6 @@ def _retie_and_repack(worker: Any) -> int:
     return 1
 
 
-def _weight_bytes(worker: Any) -> int:
-    """Runs inside vLLM's worker: bytes of its model's parameters (tied ones once)."""
-    model = worker.model_runner.get_model()
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 class VLLMRolloutEngine(RolloutEngine):
     """Generates with an in-process ``vllm.LLM`` built from an HF directory.
 
@@ -158,6 +152,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.asleep = False
         # Of the last load_weights call: tensors given, tied heads re-packed, seconds taken.
         self.last_load: dict[str, float] = {"loaded": 0, "repacked": 0, "seconds": 0.0}
+        self._weight_bytes: int | None = None  # bytes the last load_weights took
 
     # -- generate -----------------------------------------------------------------------------
 
@@ -231,10 +226,13 @@ class VLLMRolloutEngine(RolloutEngine):
         start = time.perf_counter()
         self.reload()  # weights must be resident to be overwritten
         counted = []
+        loaded_bytes = 0
 
         def counting():
+            nonlocal loaded_bytes
             for name, tensor in weights:
                 counted.append(name)
+                loaded_bytes += tensor.numel() * tensor.element_size()
                 yield name, tensor
 
         self.llm.collective_rpc(
@@ -242,6 +240,7 @@ class VLLMRolloutEngine(RolloutEngine):
         )
         repacked = sum(self.llm.collective_rpc(_retie_and_repack))
         self.llm.reset_prefix_cache()
+        self._weight_bytes = loaded_bytes
         self.last_load = {
             "loaded": len(counted),
             "repacked": repacked,
@@ -250,9 +249,11 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # -- memory -------------------------------------------------------------------------------
 
-    def weight_bytes(self) -> int:
-        """Bytes of vLLM's own (repacked) copy of the weights."""
-        return sum(self.llm.collective_rpc(_weight_bytes))
+    def weight_bytes(self) -> int | None:
+        """Bytes of vLLM's own copy of the weights, counted as the tensors its last
+        ``load_weights`` took (None before one): on CPU vLLM repacks linear weights into oneDNN
+        buffers that its parameters no longer show."""
+        return self._weight_bytes
 
     def offload(self) -> None:
         """Free the KV cache (and weights) while training runs: GPU only, no-op on CPU."""

@@ -146,7 +146,7 @@ class ReshardStats:
     num_collectives: int = 0
     seconds: float = 0.0
     weight_bytes_after_release: int | None = None
-    materialized_bytes: int = 0  # the rollout engine's own copy (GenerationShards.materialize)
+    materialized_bytes: int = 0  # copies made to hand the rollout engine whole tensors
 
     def as_metrics(self, prefix: str = "reshard") -> dict[str, float]:
         return {
