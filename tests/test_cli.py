@@ -168,3 +168,20 @@ def test_batch_sizes_that_do_not_divide_are_one_line(override, field):
         load_graph(ROOT / "graphs" / "grpo.yaml", [override])
     assert info.value.field == field
     assert "\n" not in str(info.value) and "grpo.yaml" in str(info.value)
+
+
+def test_run_into_a_dir_that_holds_a_run_is_refused(tmp_path, capsys, monkeypatch):
+    """A second run into the same --run-dir would mix its metrics into the first's: refused in
+    one line before anything starts, the first run's files untouched."""
+    monkeypatch.chdir(ROOT)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    code = main(["run", "graphs/grpo.yaml", "--run-dir", str(run_dir)])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        f"error: {run_dir}: already holds a run (metrics.jsonl); --resume continues it, or choose "
+        "another --run-dir\n"
+    )
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+    assert (run_dir / "metrics.jsonl").read_text() == '{"iteration": 1}\n'

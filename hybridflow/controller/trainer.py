@@ -198,15 +198,21 @@ class Trainer:
             )
         except DataError as exc:
             raise SpecError(self.graph.file, "data.source", str(exc)) from None
+        metrics_file = self.run_dir / "metrics.jsonl"
         if self.resume and not self.run_dir.is_dir():
             raise SpecError(self.run_dir, "", "--resume: run directory not found")
+        if not self.resume and metrics_file.exists() and metrics_file.stat().st_size:
+            # A second run's rows would follow the first's, iterations restarting at 1, and its
+            # summary would count both.
+            raise SpecError(
+                self.run_dir, "", "already holds a run (metrics.jsonl); --resume continues it, "
+                "or choose another --run-dir"
+            )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._write_resolved_config()
         tokenizer.save_pretrained(self.run_dir / "tokenizer")
-        metrics_file = self.run_dir / "metrics.jsonl"
         # What a restore without checkpoint goes back to (fresh workers are in this state).
-        offset = metrics_file.stat().st_size if metrics_file.exists() and not self.resume else 0
-        self._initial_state = self._controller_state(0, metrics_offset=offset)
+        self._initial_state = self._controller_state(0, metrics_offset=0)
         self.logger = RunLoggers(spec.trainer, self.run_dir, self.graph.file)
         tqdm.write(batch_plan(spec, self.graph.layouts, self.graph.file).describe())
         self._start_ray()
