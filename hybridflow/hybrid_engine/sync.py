@@ -46,6 +46,7 @@ class ShardedTrainEngine(Protocol):
 
 
 def is_sharded(engine: object) -> bool:
+    """Whether ``engine`` keeps its weights in a training shard (takes :class:`ReshardedSync`)."""
     return hasattr(engine, "train_shard") and hasattr(engine, "generation_weights")
 
 
