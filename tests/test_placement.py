@@ -62,8 +62,9 @@ def test_split_pools_overlap_independent_nodes(ray_session, tmp_path):
     for trace in traces:
         spans = _spans(trace)
         actor, ref = spans["old_log_prob"], spans["ref_log_prob"]  # different pools, independent
-        shorter = min(actor[1] - actor[0], ref[1] - ref[0])
-        assert _overlap(actor, ref) >= 0.5 * shorter, (actor, ref)
+        # Each started before the other ended (run serially they never overlap: the test below).
+        # How much they overlap depends on how busy the cores are, so only that is checked.
+        assert _overlap(actor, ref) > 0, (actor, ref)
         # Nodes sharing a pool queue on the same processes: on every rank, one after another
         # (a fast rank may start `reward` while a slow one still runs ref_log_prob).
         per_rank: dict[tuple, list] = {}
