@@ -204,17 +204,17 @@ def run_calibration(
     mapper = AutoMapper(sim_graph, base, 1, 1)
     profile = calibrate(mapper.sim, measurements)
     fitted = AutoMapper(sim_graph, profile, 1, 1).sim
-    for devices, seconds, work, shape in oversubscribed:
-        linear = sum(fitted.time(w) for w in work)
-        profile = fit_oversubscription(profile, devices, seconds, linear)
-        log(f"calibration {shape}: {seconds:.3f} s vs {linear:.3f} s without contention -> "
+    linear = [sum(fitted.time(w) for w in work) for _, _, work, _ in oversubscribed]
+    for (devices, seconds, _, shape), no_contention in zip(oversubscribed, linear):
+        profile = fit_oversubscription(profile, devices, seconds, no_contention)
+        log(f"calibration {shape}: {seconds:.3f} s vs {no_contention:.3f} s without contention -> "
             f"oversubscription exponent {profile.oversubscription:.2f}")
     for m, row in zip(measurements, rows, strict=True):
         row["fitted_seconds"] = fitted.time(m.work)
     final = AutoMapper(sim_graph, profile, 1, 1).sim  # with the oversubscription term
-    for devices, seconds, work, shape in oversubscribed:
+    for (devices, seconds, _, shape), no_contention in zip(oversubscribed, linear):
         rows.append({"shape": shape, "node": "iteration", "seconds": seconds,
-                     "fitted_seconds": sum(final.time(w) for w in work) * final.contention(devices)})
+                     "fitted_seconds": no_contention * final.contention(devices)})
     return profile, rows
 
 

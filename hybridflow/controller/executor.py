@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import ray
 
 from hybridflow.controller.metrics import reduce_metas
-from hybridflow.graph.dag import SOURCE, Graph, Node
+from hybridflow.graph.dag import SOURCE, Graph, Node, samples_per_prompt
 from hybridflow.workers.group import WorkerGroup
 from hybridflow.workers.protocols import Dispatch, ShardedRef, controller_get, fetched_tensor_bytes
 
@@ -87,13 +87,6 @@ def _call_args(graph: Graph, node: Node) -> tuple[str, dict]:
             "node": node.name, "inputs": list(node.inputs),
         }
     raise AssertionError(f"op {node.op} has no worker method")
-
-
-def _output_group_size(graph: Graph, node: Node, input_group_size: int) -> int:
-    if node.op == "generate":
-        rollout = graph.spec.models[node.model].rollout
-        return 1 if node.spec.options.greedy else rollout.n
-    return input_group_size
 
 
 @dataclass
@@ -168,7 +161,7 @@ def run_nodes(
             group_size = max(size for _, size in inputs)
             data = [sharded for sharded, _ in inputs]
             handle = group.call(method, data, group_size=group_size, **kwargs)
-            output_group_size = _output_group_size(graph, node, group_size)
+            output_group_size = samples_per_prompt(graph.spec, node, group_size)
             pending[node.name] = _Pending(
                 handle, time.perf_counter(), output_group_size, group,
                 _predict_output(group, method, data, group_size, output_group_size, handle),

@@ -1,6 +1,6 @@
 """Checks of user inputs that need more than the graph file: optional engines installed, model
-directories, tokenizers and reward functions. Run by the trainer before it writes or starts anything; every failure is a
-one-line ``SpecError`` naming the file and the field."""
+directories, tokenizers and reward functions. Run by the trainer before it writes or starts
+anything; every failure is a one-line ``SpecError`` naming the file and the field."""
 
 from __future__ import annotations
 

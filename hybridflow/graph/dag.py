@@ -132,6 +132,14 @@ def _build_dag(nodes: list[Node], file: str) -> nx.DiGraph:
     raise SpecError(file, "nodes", f"the graph has a cycle: {path}")
 
 
+def samples_per_prompt(spec: GraphSpec, node: Node, inputs: int) -> int:
+    """Samples per prompt in ``node``'s outputs, given its inputs' (the same for all of them): a
+    generate node makes ``rollout.n`` (1 when greedy); every other op keeps its inputs' count."""
+    if node.op == "generate":
+        return 1 if node.spec.options.greedy else spec.models[node.model].rollout.n
+    return inputs
+
+
 def _check_samples_per_prompt(spec: GraphSpec, nodes: list[Node], dag: nx.DiGraph, file: str) -> None:
     """Every node's inputs must come at one number of samples per prompt (a node reads row i of
     each input as the same sample): ReMax's greedy baseline (1 per prompt) cannot meet n > 1
@@ -156,10 +164,7 @@ def _check_samples_per_prompt(spec: GraphSpec, nodes: list[Node], dag: nx.DiGrap
                 "every input of a node must have the same (check models.<actor>.rollout.n and "
                 "greedy generate nodes)",
             )
-        if node.op == "generate":
-            per_prompt[name] = 1 if node.spec.options.greedy else spec.models[node.model].rollout.n
-        else:
-            per_prompt[name] = max(sources.values(), default=1)
+        per_prompt[name] = samples_per_prompt(spec, node, max(sources.values(), default=1))
 
 
 def _resolve_placement(

@@ -24,7 +24,7 @@ per-call overheads by least squares from measured single-node op times).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -384,8 +384,6 @@ def fit_inverse_rates(measurements: list[Measurement], prior: dict[str, float]) 
 
 def profile_from_inverse_rates(base: HardwareProfile, inv: dict[str, float], devices_per_node: int) -> HardwareProfile:
     """A copy of ``base`` whose efficiencies and overheads reproduce ``inv``."""
-    from dataclasses import replace
-
     eff = dict(base.efficiency)
     if inv.get("train"):
         eff["train"] = 1 / inv["train"] / base.peak_flops
@@ -408,8 +406,6 @@ def fit_oversubscription(profile: HardwareProfile, busy_devices: int, measured_s
     """``profile`` with ``oversubscription`` fitted from one run of ``busy_devices`` > cores:
     ``measured = linear * (busy / cores) ** oversubscription``, where ``linear`` is the calibrated
     prediction of that run without contention. Kept within [1, 4]."""
-    from dataclasses import replace
-
     cores = profile.physical_cores
     if cores is None or busy_devices <= cores or linear_s <= 0:
         return profile

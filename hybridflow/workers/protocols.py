@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -568,10 +568,8 @@ def _dp_inputs(kind: str, args: tuple, kwargs: dict) -> tuple[list[ShardedRef], 
 def _shares(inputs: list[ShardedRef], num_ranks: int, group_size: int, kwargs: dict) -> list[DpShare]:
     """``plan_padded_split``, with the call's ``with_text=`` (default True) on every share."""
     with_text = bool(kwargs.pop("with_text", True))
-    return [
-        DpShare(share.pieces, share.num_valid, with_text)
-        for share in plan_padded_split(inputs, num_ranks, group_size)
-    ]
+    shares = plan_padded_split(inputs, num_ranks, group_size)
+    return [replace(share, with_text=with_text) for share in shares]
 
 
 def _dp_split(num_ranks: int, args: tuple, kwargs: dict) -> list[tuple[Any, dict]]:
