@@ -77,11 +77,11 @@ from hybridflow.placement.automapper import (  # noqa: E402
 )
 from hybridflow.placement.profiles import get_profile, save_profile  # noqa: E402
 from hybridflow.placement.simulator import (  # noqa: E402
-    Layout,
     Measurement,
     all_partitions,
     calibrate,
     fit_oversubscription,
+    plan_layout,
 )
 from hybridflow.spec.loading import load_graph_spec  # noqa: E402
 
@@ -180,7 +180,7 @@ def run_calibration(
         pg = plan_graph(graph)
         sim_graph = pg
         mapper = AutoMapper(pg, base, devices, devices)
-        layout = Layout(d=devices)  # each rank's share of the work
+        layout = plan_layout(d=devices)  # each rank's share of the work
         shape = f"P={prompts} mb={micro} ranks={devices}"
         iteration_work: dict[str, float] = {}
         if devices > cores:  # not a linear measurement: kept for the oversubscription fit

@@ -27,7 +27,7 @@ def test_model_reward_scores_equal_direct_transformers_forward(ray_session, tmp_
     from hybridflow.placement.pools import ResourcePool
     from hybridflow.workers.group import WorkerGroup
     from hybridflow.workers.model_worker import ModelWorker
-    from hybridflow.workers.protocols import ShardedRef
+    from hybridflow.workers.sharded import ShardedRef
 
     torch.set_num_threads(1)
     task = get_task("copy")

@@ -23,7 +23,7 @@ from hybridflow.placement.automapper import (
 )
 from hybridflow.placement.profiles import A100_80GB, CPU, GB, LLAMA, ModelArch
 from hybridflow.placement.simulator import (
-    Layout,
+    plan_layout,
     Measurement,
     Simulator,
     Workload,
@@ -191,7 +191,7 @@ def test_every_chosen_set_fits_in_device_memory():
                 assert s.memory_per_device <= mapper.sim.usable_memory()
                 for m in s.models:
                     layout = s.layouts[m]
-                    assert layout.devices == s.devices and layout.t <= 8
+                    assert layout.train.world_size == s.devices and layout.train.tp <= 8
 
 
 # -- the planning-time limit ----------------------------------------------------------------
@@ -213,7 +213,7 @@ def test_planning_ppo_on_128_gpus_finishes_within_60_s(size):
 def test_decode_is_memory_bound_and_training_compute_bound():
     graph = rlhf_plan_graph("ppo", LLAMA["13b"], Workload(num_prompts=64, updates_per_epoch=1))
     actor = graph.models["actor"]
-    layout = Layout(8, 1, 1, 8, 1)
+    layout = plan_layout(8, 1, 1, 8, 1)
     base = Simulator(A100_80GB, 8, graph.workload)
     fast_hbm = Simulator(replace(A100_80GB, memory_bandwidth=2 * A100_80GB.memory_bandwidth), 8, graph.workload)
     fast_flops = Simulator(replace(A100_80GB, peak_flops=2 * A100_80GB.peak_flops), 8, graph.workload)
@@ -250,7 +250,7 @@ def test_kv_cache_limits_the_decode_batch():
     graph = rlhf_plan_graph("ppo", LLAMA["13b"], PAPER)
     actor = graph.models["actor"]
     sim = Simulator(A100_80GB, 8, PAPER)
-    layout = Layout(8, 1, 1, 8, 1)
+    layout = plan_layout(8, 1, 1, 8, 1)
     roomy = sim.time(sim.op_work(actor, "generate", layout, 60 * GB))
     cramped = sim.time(sim.op_work(actor, "generate", layout, 2 * GB))
     assert cramped > 2 * roomy  # fewer sequences per wave: the weights are streamed more often
@@ -268,7 +268,7 @@ def _synthetic_measurements(sim: Simulator, noise: float, seed: int = 0) -> list
                             response_len=response, micro_batch=micro)
         graph = rlhf_plan_graph("ppo", arch, workload)
         s = Simulator(sim.profile, 1, workload)
-        layout = Layout(1, 1, 1, 1, 1)
+        layout = plan_layout(1, 1, 1, 1, 1)
         for node in graph.nodes:
             work = s.op_work(graph.models[node.model], node.op, layout, 1 * GB)
             out.append(Measurement(work, s.time(work) * (1 + rng.uniform(-noise, noise))))

@@ -19,7 +19,6 @@ from megatron_harness import init_dist, pg_loss, random_batch, spawn, tiny_hf  #
 from hybridflow.data import keys as K  # noqa: E402
 from hybridflow.engines.megatron.convert import (  # noqa: E402
     Dims,
-    Rank,
     hf_to_megatron,
     resharding_full,
     resharding_named,
@@ -27,7 +26,7 @@ from hybridflow.engines.megatron.convert import (  # noqa: E402
     to_hf,
 )
 from hybridflow.spec.graph import OptimSpec, TrainEngineSpec  # noqa: E402
-from hybridflow.spec.layout import ParallelLayout  # noqa: E402
+from hybridflow.spec.layout import ParallelLayout, RankCoords  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -49,7 +48,7 @@ def test_conversion_round_trip_is_bit_exact(tp, pp):
     pieces: dict[str, list] = {}
     for pp_rank in range(pp):
         for tp_rank in range(tp):
-            rank = Rank(tp_rank, tp, pp_rank, pp)
+            rank = RankCoords(ParallelLayout(tp=tp, pp=pp), tp_rank=tp_rank, pp_rank=pp_rank)
             named = resharding_named(hf_to_megatron(state, dims, rank), dims, rank)
             assert set(named) == {n for n, s in specs.items() if s.pp_stage == pp_rank}
             for name, tensor in named.items():
@@ -69,7 +68,7 @@ def test_qkv_is_grouped_per_query_group():
     """Megatron's fused qkv rows: per KV group, its query heads, then k, then v."""
     hf = tiny_hf()
     dims = Dims.from_hf(hf.config)
-    qkv = hf_to_megatron(hf.state_dict(), dims, Rank())["decoder.layers.0.self_attention.linear_qkv.weight"]
+    qkv = hf_to_megatron(hf.state_dict(), dims, RankCoords(ParallelLayout()))["decoder.layers.0.self_attention.linear_qkv.weight"]
     d, qpg = dims.head_dim, dims.heads_per_group
     attn = hf.model.layers[0].self_attn
     group1 = qkv[(qpg + 2) * d : 2 * (qpg + 2) * d]
@@ -108,7 +107,7 @@ def _check_equivalence(rank, world, port, tp, pp, tied, backend="gloo"):
         if p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
     ]
     outside = [n for n, p in engine.gpt_model.named_parameters() if all(p is not q for q in inside)]
-    assert outside == (["output_layer.weight"] if tied and engine.rank.is_last_stage and pp > 1 else [])
+    assert outside == (["output_layer.weight"] if tied and engine.coords.is_last_stage and pp > 1 else [])
     assert sum(p.numel() for p in inside) == flat.numel()
 
     # 1. Raw logits of an unpadded batch: megatron (vocab shards gathered) vs HF.

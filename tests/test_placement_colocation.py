@@ -21,7 +21,7 @@ from hybridflow.spec.layout import ParallelLayout
 from hybridflow.spec.pool import PoolSpec
 from hybridflow.workers.group import WorkerGroup
 from hybridflow.workers.model_worker import ModelWorker
-from hybridflow.workers.protocols import ShardedRef
+from hybridflow.workers.sharded import ShardedRef
 
 ROOT = Path(__file__).resolve().parent.parent
 # A model big enough that its weights and optimizer state show next to the process's baseline.

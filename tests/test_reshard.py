@@ -18,8 +18,6 @@ from hybridflow.hybrid_engine.groups import (
     generation_tp_groups,
     micro_dp_groups,
     model_parallel_groups,
-    train_coords,
-    train_rank,
 )
 from hybridflow.engines.shards import ShardSpec, TrainShardBuffer, stage_layout
 from hybridflow.hybrid_engine.reshard import reference_generation_shard
@@ -60,21 +58,6 @@ def test_generation_layout_validated_when_built():
         GenerationLayout(train=ParallelLayout(tp=2), tp=1)
 
 
-@pytest.mark.parametrize("p,t,d", [(2, 2, 2), (2, 4, 1), (1, 2, 4), (4, 1, 2), (2, 2, 3)])
-def test_rank_numbering_matches_megatron_parallel_state(p, t, d):
-    parallel_state = pytest.importorskip("megatron.core.parallel_state")
-    gen = parallel_state.RankGenerator(tp=t, ep=1, dp=d, pp=p, cp=1, order="tp-cp-ep-dp-pp")
-    train = ParallelLayout(tp=t, pp=p, dp=d)
-    for axis, field in (("tp", "tp"), ("pp", "pp"), ("dp", "dp")):
-        for ranks in gen.get_ranks(axis):
-            coords = [train_coords(train, r) for r in ranks]
-            assert [getattr(c, field) for c in coords] == list(range(len(ranks)))
-            others = {tuple(v for k, v in c.__dict__.items() if k != field) for c in coords}
-            assert len(others) == 1, (axis, ranks)
-    for r in range(p * t * d):
-        assert train_rank(train, train_coords(train, r)) == r
-
-
 # --------------------------------------------------------------------------- pure: grouping
 
 
@@ -93,21 +76,21 @@ def test_grouping_over_the_whole_grid(world):
         assert sorted(r for g in micro for r in g) == list(range(world)), where
         assert all(len(g) == gen.micro_dp for g in micro), where
         for g in micro:
-            c = [train_coords(gen.train, r) for r in g]
-            assert len({x.dp for x in c}) == 1, where
+            c = [gen.train.coords(r) for r in g]
+            assert len({x.dp_rank for x in c}) == 1, where
             # consecutive training TP ranks (and consecutive global ranks) inside a stage
             for i in range(0, len(g), st):
-                assert [x.tp for x in c[i : i + st]] == list(range(c[i].tp, c[i].tp + st)), where
+                assert [x.tp_rank for x in c[i : i + st]] == list(range(c[i].tp_rank, c[i].tp_rank + st)), where
                 assert g[i : i + st] == list(range(g[i], g[i] + st)), where
             assert [gen_coords(gen, r).micro_dp_rank for r in g] == list(range(gen.micro_dp))
         for g in generation_tp_groups(gen):
-            assert len(g) == tg and [train_coords(gen.train, r).tp for r in g] == list(
-                range(train_coords(gen.train, g[0]).tp, t, st)
+            assert len(g) == tg and [gen.train.coords(r).tp_rank for r in g] == list(
+                range(gen.train.coords(g[0]).tp_rank, t, st)
             ), where
             assert [gen_coords(gen, r).tp for r in g] == list(range(tg)), where
         for g in generation_pp_groups(gen):
-            assert len(g) == pg and [train_coords(gen.train, r).pp for r in g] == list(
-                range(train_coords(gen.train, g[0]).pp, p, sp)
+            assert len(g) == pg and [gen.train.coords(r).pp_rank for r in g] == list(
+                range(gen.train.coords(g[0]).pp_rank, p, sp)
             ), where
         # every generation replica has each (gen pp, gen tp) position exactly once
         positions: dict[int, list] = {}
@@ -123,11 +106,11 @@ def test_grouping_over_the_whole_grid(world):
         for g in micro:
             tiles = []
             for r in g:
-                c, gc = train_coords(gen.train, r), gen_coords(gen, r)
-                own = set(_index_range(c.tp, units, t))
+                c, gc = gen.train.coords(r), gen_coords(gen, r)
+                own = set(_index_range(c.tp_rank, units, t))
                 assert own <= set(_index_range(gc.tp, units, tg)), where
-                assert c.pp in _index_range(gc.pp, p, pg), where
-                tiles += [(c.pp, u) for u in own]
+                assert c.pp_rank in _index_range(gc.pp, p, pg), where
+                tiles += [(c.pp_rank, u) for u in own]
             gc = gen_coords(gen, g[0])
             expected = [(s, u) for s in _index_range(gc.pp, p, pg) for u in _index_range(gc.tp, units, tg)]
             assert sorted(tiles) == sorted(expected), where

@@ -19,7 +19,7 @@ pytest.importorskip("megatron.core")
 from megatron_harness import init_dist, spawn, tiny_hf  # noqa: E402
 
 from hybridflow.spec.graph import TrainEngineSpec  # noqa: E402
-from hybridflow.spec.layout import GenerationLayout, ParallelLayout  # noqa: E402
+from hybridflow.spec.layout import GenerationLayout, ParallelLayout, RankCoords  # noqa: E402
 
 HEADS = {"num_attention_heads": 4, "num_key_value_heads": 4}  # TP=4 needs 4 query groups
 
@@ -29,11 +29,11 @@ def _check(rank, world, port):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, model_parallel_cuda_manual_seed
 
-    from hybridflow.engines.megatron import Dims, MegatronTrainEngine, Rank, hf_to_megatron
+    from hybridflow.engines.megatron import Dims, MegatronTrainEngine, hf_to_megatron
     from hybridflow.engines.megatron.convert import resharding_full
     from hybridflow.engines.megatron import cpu_compat
     from hybridflow.engines.megatron.model import build_gpt_model, load_megatron_state
-    from hybridflow.hybrid_engine.groups import gen_coords, train_coords
+    from hybridflow.hybrid_engine.groups import gen_coords
     from hybridflow.hybrid_engine.reshard import build_groups, reference_generation_shard, reshard_to_generation
 
     hf = tiny_hf(tied=False, **HEADS)
@@ -46,8 +46,8 @@ def _check(rank, world, port):
     engine = MegatronTrainEngine(
         copy.deepcopy(hf), TrainEngineSpec(engine="megatron", layout=train, micro_batch_size=2)
     )
-    c = train_coords(train, rank)  # the resharder's rank numbering is megatron's
-    assert (c.tp, c.pp, c.dp) == (
+    c = train.coords(rank)  # the resharder's rank numbering is megatron's
+    assert (c.tp_rank, c.pp_rank, c.dp_rank) == (
         ps.get_tensor_model_parallel_rank(),
         ps.get_pipeline_model_parallel_rank(),
         ps.get_data_parallel_rank(),
@@ -102,8 +102,8 @@ def _check(rank, world, port):
         ffn_hidden_size=dims.ffn_hidden_size // 2,
         vocab_size=dims.vocab_size // 2,
     )
-    module = build_gpt_model(config, Rank(tg_rank, 2, 0, 1))
-    load_megatron_state(module, hf_to_megatron(hf_state, local, Rank()))
+    module = build_gpt_model(config, RankCoords(ParallelLayout(tp=2), tp_rank=tg_rank))
+    load_megatron_state(module, hf_to_megatron(hf_state, local, RankCoords(ParallelLayout())))
     with torch.no_grad():
         out = module(ids, torch.arange(9)[None].expand(2, -1), cpu_compat.causal_mask(9))
         got = gather_from_tensor_model_parallel_region(out)[..., :vocab]
@@ -125,7 +125,6 @@ def _check_grid(rank, world, port):
 
     from hybridflow.engines.megatron import Dims, MegatronTrainEngine
     from hybridflow.engines.megatron.convert import resharding_full
-    from hybridflow.hybrid_engine.groups import train_coords
     from hybridflow.hybrid_engine.reshard import build_groups, reference_generation_shard, reshard_to_generation
 
     hf = tiny_hf(tied=False, num_hidden_layers=4, **HEADS)
@@ -136,8 +135,8 @@ def _check_grid(rank, world, port):
         engine = MegatronTrainEngine(
             copy.deepcopy(hf), TrainEngineSpec(engine="megatron", layout=train, micro_batch_size=2)
         )
-        c = train_coords(train, rank)
-        assert (c.tp, c.pp) == (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+        c = train.coords(rank)
+        assert (c.tp_rank, c.pp_rank) == (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
         specs = engine.shard_specs()
         full = resharding_full(hf.state_dict(), dims, t)
         for pg in [k for k in range(1, p + 1) if p % k == 0]:

@@ -7,28 +7,19 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from hybridflow.spec.pool import PoolSpec
+from hybridflow.spec.layout import ParallelLayout
+from hybridflow.workers.accounting import controller_get, fetched_tensor_bytes
 from hybridflow.workers.protocols import (
     DISPATCH_ATTR,
-    NUM_SAMPLES,
     Dispatch,
     Protocol,
-    ShardedRef,
     dispatch_table,
-    RankCoords,
-    controller_get,
-    fetched_tensor_bytes,
-    plan_padded_split,
-    plan_split,
-    rank_coords,
     register,
     register_protocol,
-    resolve,
-    tensor_bytes,
     text_table,
-    from_wire,
-    to_wire,
 )
-from hybridflow.spec.layout import ParallelLayout
+from hybridflow.workers.sharded import NUM_SAMPLES, ShardedRef, plan_padded_split, plan_split, resolve
+from hybridflow.workers.wire import from_wire, tensor_bytes, to_wire
 
 # -- the wire format ---------------------------------------------------------------------------
 
@@ -147,43 +138,6 @@ def test_plan_split_rejects_mismatched_totals():
             num_ranks=2,
             group_size=1,
         )
-
-
-# -- 3D rank order --------------------------------------------------------------------------------
-
-
-def test_rank_coords_follow_megatron_default_order():
-    # megatron-core 0.16 RankGenerator(tp=2, dp=2, pp=2, order="tp-cp-ep-dp-pp") gives
-    # tp groups [[0,1],[2,3],[4,5],[6,7]], dp groups [[0,2],[1,3],[4,6],[5,7]],
-    # pp groups [[0,4],[1,5],[2,6],[3,7]] (test_rank_coords_match_megatron checks it live).
-    layout = ParallelLayout(tp=2, pp=2, dp=2)
-    coords = [rank_coords(layout, rank) for rank in range(8)]
-    groups = {
-        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
-        "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-        "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
-    }
-    for axis, axis_groups in groups.items():
-        for group in axis_groups:
-            # Ranks of one group differ only along `axis`, and take its values 0, 1 in order.
-            others = {(c.dp, c.tp, c.pp) for c in [coords[r] for r in group]}
-            assert len(others) == len(group)
-            assert [getattr(coords[r], axis) for r in group] == list(range(len(group)))
-            fixed = [a for a in ("dp", "tp", "pp") if a != axis]
-            assert len({tuple(getattr(coords[r], a) for a in fixed) for r in group}) == 1
-    assert coords[5] == RankCoords(dp=0, tp=1, pp=1)
-    with pytest.raises(IndexError):
-        rank_coords(layout, 8)
-
-
-@pytest.mark.slow
-def test_rank_coords_match_megatron():
-    parallel_state = pytest.importorskip("megatron.core.parallel_state")
-    gen = parallel_state.RankGenerator(tp=2, ep=1, dp=3, pp=2, cp=1, order="tp-cp-ep-dp-pp")
-    layout = ParallelLayout(tp=2, pp=2, dp=3)
-    for axis in ("tp", "dp", "pp"):
-        for group in gen.get_ranks(axis):
-            assert [getattr(rank_coords(layout, r), axis) for r in group] == list(range(len(group)))
 
 
 # -- resolve (pure: a dict stands in for the object store) ----------------------------------------
@@ -368,10 +322,10 @@ class ToyWorker(Worker):
         """Tags each row with the rank that computed it; reports the uids it saw."""
         n = batch.batch_size[0]
         out = TensorDict(
-            {"uid": batch["uid"], "by_rank": torch.full((n,), self.rank), "pp": torch.full((n,), coords.pp)},
+            {"uid": batch["uid"], "by_rank": torch.full((n,), self.rank), "pp": torch.full((n,), coords.pp_rank)},
             batch_size=batch.batch_size,
         )
-        return out, {"coords": (coords.dp, coords.tp, coords.pp), "uids": batch["uid"].tolist()}
+        return out, {"coords": coords, "uids": batch["uid"].tolist()}
 
     @register("test_first_rank_only")
     def whoami(self):
@@ -436,6 +390,16 @@ def test_dp_split_all_reduce_over_gloo(groups):
     expected_sum = sum(2 * i + 0.5 for i in range(6))
     assert [meta["global_sum"] for meta in metas] == [expected_sum, expected_sum]
     assert sharded.fetch()["x2"].tolist() == [2 * i + 0.5 for i in range(6)]
+
+
+def test_ranks_count_the_tensor_bytes_they_fetch_and_put(groups):
+    group_a, _ = groups
+    # Shards of 1, 3, 2 prompts (uid int64 + x float32: 12 bytes a row). Rank 0 reads rows 0-2
+    # (all of shard 0, part of shard 1), rank 1 rows 3-5: a shard crosses whole once per rank.
+    pending = group_a.call("double", [_source([1, 3, 2])], group_size=1)
+    _, metas = pending.result(timeout_s=60)
+    assert [meta["fetched_bytes"] for meta in metas] == [(1 + 3) * 12, (3 + 2) * 12]
+    assert [meta["put_bytes"] for meta in metas] == [3 * 4, 3 * 4]  # x2, float32
 
 
 def test_chain_across_groups_moves_refs_not_tensors(groups, monkeypatch):
@@ -552,9 +516,8 @@ def test_3d_same_chunk_per_dp_group_collect_tp0_last_stage(group_4, layout, coll
     all_metas = ray.get(pending.all_meta_refs)
     by_dp: dict[int, list] = {}
     for meta in all_metas:
-        dp, tp, pp = meta["coords"]
-        assert rank_coords(layout, meta["rank"]) == RankCoords(dp=dp, tp=tp, pp=pp)
-        by_dp.setdefault(dp, []).append(meta["uids"])
+        assert meta["coords"] == layout.coords(meta["rank"])
+        by_dp.setdefault(meta["coords"].dp_rank, []).append(meta["uids"])
     assert len(by_dp) == layout.dp
     for uids in by_dp.values():  # every TP/PP rank of a DP group got the same chunk
         assert all(u == uids[0] for u in uids)

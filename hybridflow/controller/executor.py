@@ -44,9 +44,13 @@ import ray
 from hybridflow.controller.metrics import reduce_metas
 from hybridflow.graph.dag import SOURCE, Graph, Node, samples_per_prompt
 from hybridflow.workers.group import WorkerGroup
-from hybridflow.workers.protocols import Dispatch, ShardedRef, controller_get, fetched_tensor_bytes
+from hybridflow.workers.accounting import FETCHED_BYTES, PUT_BYTES, controller_get, fetched_tensor_bytes
+from hybridflow.workers.protocols import Dispatch
+from hybridflow.workers.sharded import ShardedRef
 
 FETCHED_BYTES_METRIC = "controller/fetched_tensor_bytes"
+# Tensor bytes the workers fetched from / put into the object store, all nodes and ranks.
+TRANSFER_METRICS = {FETCHED_BYTES: "transfer/fetched_bytes", PUT_BYTES: "transfer/put_bytes"}
 
 
 @dataclass
@@ -187,6 +191,8 @@ def run_nodes(
             results[name] = NodeResult(data, waiting.group_size, metas, waiting.started, time.perf_counter())
             del pending[name]
 
+    for key, metric in TRANSFER_METRICS.items():
+        result.metrics[metric] = float(sum(m.get(key, 0) for metas in rank_metas.values() for m in metas))
     for node in nodes:
         node_result = results[node.name]
         result.outputs[node.name] = node_result

@@ -39,7 +39,7 @@ from hybridflow.spec.graph import GenerateOptions
 from hybridflow.spec.loading import SpecError
 from hybridflow.workers.group import WorkerGroup
 from hybridflow.workers.model_worker import ModelWorker, NonFiniteWeightError
-from hybridflow.workers.protocols import ShardedRef
+from hybridflow.workers.sharded import ShardedRef
 
 PROGRESS_KEYS = {"reward/mean": "reward", "val/reward/mean": "val", "actor/kl": "kl"}
 log = logging.getLogger(__name__)

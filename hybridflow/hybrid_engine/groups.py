@@ -1,11 +1,7 @@
-"""Rank numbering and the 3D-HybridEngine's grouping, as pure functions of the layouts.
+"""The 3D-HybridEngine's grouping, as pure functions of the layouts.
 
-Training ranks follow megatron-core's default order ``tp-cp-ep-dp-pp`` (``parallel_state.
-initialize_model_parallel(order=...)``) with cp = ep = 1: TP fastest, then DP, then PP::
-
-    rank = tp_rank + t * dp_rank + t * d * pp_rank
-
-so the shards a megatron engine holds line up with these coordinates.
+Training ranks are numbered by ``ParallelLayout.coords`` (megatron-core's default order: TP
+fastest, then DP, then PP), so the shards a megatron engine holds line up with them.
 
 Generation (pg-tg-dg-d, dg = p*t / (pg*tg)): write ``st = t/tg`` and ``sp = p/pg``. A training rank
 (pp, tp, dp) becomes generation TP rank ``tp // st`` and PP stage ``pp // sp`` of the generation
@@ -29,14 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridflow.spec.layout import GenerationLayout, ParallelLayout
-
-
-@dataclass(frozen=True)
-class TrainCoords:
-    pp: int
-    tp: int
-    dp: int
+from hybridflow.spec.layout import GenerationLayout, ParallelLayout, RankCoords
 
 
 @dataclass(frozen=True)
@@ -49,31 +38,19 @@ class GenCoords:
     micro_dp_rank: int  # 0 .. dg-1; (dp, micro_dp_rank) names the generation replica
 
 
-def _sizes(train: ParallelLayout) -> tuple[int, int, int]:
-    assert train.dp is not None, "resolve() the training layout first"
-    return train.pp, train.tp, train.dp
-
-
-def train_rank(train: ParallelLayout, coords: TrainCoords) -> int:
-    p, t, d = _sizes(train)
-    assert 0 <= coords.pp < p and 0 <= coords.tp < t and 0 <= coords.dp < d, coords
-    return coords.tp + t * coords.dp + t * d * coords.pp
-
-
-def train_coords(train: ParallelLayout, rank: int) -> TrainCoords:
-    p, t, d = _sizes(train)
-    assert 0 <= rank < p * t * d, rank
-    return TrainCoords(pp=rank // (t * d), tp=rank % t, dp=(rank // t) % d)
-
-
 def _strides(gen: GenerationLayout) -> tuple[int, int]:
     return gen.train.pp // gen.pp, gen.train.tp // gen.tp
 
 
 def gen_coords(gen: GenerationLayout, rank: int) -> GenCoords:
-    c = train_coords(gen.train, rank)
+    c = gen.train.coords(rank)
     sp, st = _strides(gen)
-    return GenCoords(pp=c.pp // sp, tp=c.tp // st, dp=c.dp, micro_dp_rank=(c.pp % sp) * st + c.tp % st)
+    return GenCoords(
+        pp=c.pp_rank // sp,
+        tp=c.tp_rank // st,
+        dp=c.dp_rank,
+        micro_dp_rank=(c.pp_rank % sp) * st + c.tp_rank % st,
+    )
 
 
 def gen_replica(gen: GenerationLayout, rank: int) -> int:
@@ -86,7 +63,7 @@ def _rank_of(gen: GenerationLayout, g: GenCoords) -> int:
     sp, st = _strides(gen)
     tp = g.tp * st + g.micro_dp_rank % st
     pp = g.pp * sp + g.micro_dp_rank // st
-    return train_rank(gen.train, TrainCoords(pp=pp, tp=tp, dp=g.dp))
+    return RankCoords(gen.train, tp_rank=tp, pp_rank=pp, dp_rank=g.dp).rank
 
 
 def micro_dp_groups(gen: GenerationLayout) -> list[list[int]]:
@@ -121,8 +98,7 @@ def generation_pp_groups(gen: GenerationLayout) -> list[list[int]]:
 
 def model_parallel_groups(train: ParallelLayout) -> list[list[int]]:
     """Each training model-parallel group (one DP replica, p*t ranks), ordered (pp, tp)."""
-    p, t, d = _sizes(train)
     return [
-        [train_rank(train, TrainCoords(pp=pp, tp=tp, dp=dp)) for pp in range(p) for tp in range(t)]
-        for dp in range(d)
+        [RankCoords(train, tp_rank=tp, pp_rank=pp, dp_rank=dp).rank for pp in range(train.pp) for tp in range(train.tp)]
+        for dp in range(train.dp)
     ]

@@ -50,12 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hybridflow.engines.shards import ShardSpec, TrainShardBuffer, slot_views, stage_layout
-from hybridflow.hybrid_engine.groups import (
-    gen_coords,
-    micro_dp_groups,
-    model_parallel_groups,
-    train_coords,
-)
+from hybridflow.hybrid_engine.groups import gen_coords, micro_dp_groups, model_parallel_groups
 from hybridflow.spec.layout import GenerationLayout, ParallelLayout
 
 Mode = Literal["zero_redundancy", "naive"]
@@ -163,11 +158,11 @@ def shard_full_weights(
     full: Mapping[str, Tensor], specs: Sequence[ShardSpec], train: ParallelLayout, rank: int
 ) -> TrainShardBuffer:
     """The training shard of ``rank`` sliced from full weights (for tests and benchmarks)."""
-    c = train_coords(train, rank)
+    c = train.coords(rank)
     named = {
-        s.name: s.slice_full(full[s.name], train.tp, c.tp) for s in specs if s.pp_stage == c.pp
+        s.name: s.slice_full(full[s.name], train.tp, c.tp_rank) for s in specs if s.pp_stage == c.pp_rank
     }
-    return TrainShardBuffer.pack(named, specs, c.pp, train.tp, rank)
+    return TrainShardBuffer.pack(named, specs, c.pp_rank, train.tp, rank)
 
 
 # --------------------------------------------------------------------------- groups
@@ -285,7 +280,7 @@ def _generation_pieces(
     parameters that arrived although this rank held them."""
     sp, st = gen.train.pp // gen.pp, gen.train.tp // gen.tp
     g = gen_coords(gen, rank)
-    own_pp = train_coords(gen.train, rank).pp
+    own_pp = gen.train.coords(rank).pp_rank
     views = {}
     for m, flat in member_buffers.items():
         slots, _ = stage_layout(specs, g.pp * sp + m // st, gen.train.tp)
@@ -359,7 +354,7 @@ def reshard_to_generation(
     else:
         for t in named_shards.values():
             meter.track(t)
-        own = TrainShardBuffer.pack(named_shards, specs, train_coords(train, rank).pp, train.tp, rank)
+        own = TrainShardBuffer.pack(named_shards, specs, train.coords(rank).pp_rank, train.tp, rank)
         packed = _nbytes(own.flat)
     meter.track(own.flat)
     itemsize = own.flat.element_size()
@@ -372,7 +367,7 @@ def reshard_to_generation(
     )
     ranks = groups.micro_dp_ranks if mode == "zero_redundancy" else groups.model_parallel_ranks
     group = groups.micro_dp_group if mode == "zero_redundancy" else groups.model_parallel_group
-    numels = [stage_layout(specs, train_coords(train, r).pp, train.tp)[1] for r in ranks]
+    numels = [stage_layout(specs, train.coords(r).pp_rank, train.tp)[1] for r in ranks]
     me = ranks.index(rank)
     buffers = [
         own.flat if i == me else meter.track(own.flat.new_empty(n)) for i, n in enumerate(numels)

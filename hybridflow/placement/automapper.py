@@ -24,8 +24,8 @@ from pathlib import Path
 import networkx as nx
 
 from hybridflow.placement.profiles import HardwareProfile, ModelArch, arch_from_hf_config, get_profile, model_size
+from hybridflow.spec.layout import GenerationLayout
 from hybridflow.placement.simulator import (
-    Layout,
     ModelInfo,
     OpNode,
     PlanGraph,
@@ -39,7 +39,7 @@ from hybridflow.placement.simulator import (
 class SetPlan:
     models: tuple[str, ...]
     devices: int
-    layouts: dict[str, Layout]
+    layouts: dict[str, GenerationLayout]
     node_times: dict[str, float]  # node name -> seconds (op time only)
     memory_per_device: float
 
@@ -94,24 +94,24 @@ class AutoMapper:
         dpn = devices_per_node
         self.sizes = [n for n in range(1, min(dpn, total_devices) + 1)]
         self.sizes += [k * dpn for k in range(2, total_devices // dpn + 1)]
-        self._model_cache: dict[tuple[str, int], list[tuple[Layout, float, float, float]]] = {}
+        self._model_cache: dict[tuple[str, int], list[tuple[GenerationLayout, float, float, float]]] = {}
         self._set_cache: dict[tuple[tuple[str, ...], int], SetPlan | None] = {}
         self.num_evaluated = 0
 
     # -- per model ------------------------------------------------------------------------------
 
-    def model_time(self, model: str, layout: Layout, free_memory: float) -> dict[str, float]:
+    def model_time(self, model: str, layout: GenerationLayout, free_memory: float) -> dict[str, float]:
         info = self.graph.models[model]
         return {n.name: self.sim.time(self.node_work(n, layout, free_memory)) for n in self.graph.nodes_of(model)}
 
-    def node_work(self, node: OpNode, layout: Layout, free_memory: float) -> dict[str, float]:
+    def node_work(self, node: OpNode, layout: GenerationLayout, free_memory: float) -> dict[str, float]:
         """A node's work: its op ``calls`` times, plus the controller's dispatch of it."""
         work = self.sim.op_work(self.graph.models[node.model], node.op, layout, free_memory)
         work = {k: v * node.calls for k, v in work.items()}
         work["overhead:dispatch"] = work.get("overhead:dispatch", 0.0) + 1
         return work
 
-    def candidates(self, model: str, n: int) -> list[tuple[Layout, float, float, float]]:
+    def candidates(self, model: str, n: int) -> list[tuple[GenerationLayout, float, float, float]]:
         """(layout, static bytes, transient bytes, seconds alone) for every layout that fits
         alone, fastest first. Cached per (model, device count)."""
         key = (model, n)
@@ -130,7 +130,7 @@ class AutoMapper:
             self._model_cache[key] = out
         return self._model_cache[key]
 
-    def _kv_free(self, info: ModelInfo, layout: Layout, free_after_static: float) -> float:
+    def _kv_free(self, info: ModelInfo, layout: GenerationLayout, free_after_static: float) -> float:
         if info.role != "actor" or info.arch is None:
             return free_after_static
         return free_after_static - self.sim._generation_weight_extra(info, layout)

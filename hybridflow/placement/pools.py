@@ -9,7 +9,7 @@ Rank ``r`` of a worker group on the pool is scheduled into bundle ``r``.
 - ``nodes`` > 1: the pool picks ``nodes`` distinct alive nodes that carry ``node_labels`` and
   have the resources for ``devices_per_node`` bundles, and pins bundle ``r`` to node
   ``r // devices_per_node`` through the built-in ``ray.io/node-id`` label. Ranks of one node are
-  consecutive, so a TP group (consecutive ranks, see ``workers.protocols.rank_coords``) stays
+  consecutive, so a TP group (consecutive ranks, see ``ParallelLayout.coords``) stays
   inside a node when ``tp <= devices_per_node``.
 """
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hybridflow.placement.profiles import HardwareProfile, ModelArch
+from hybridflow.spec.layout import GenerationLayout, ParallelLayout
 
 USABLE_MEMORY = 0.9  # fraction of device memory a plan may fill (allocator slack, CUDA context)
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m + v
@@ -99,23 +100,14 @@ class PlanGraph:
         return max(n.stage for n in self.nodes) + 1
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Training layout t x p x d and the actor's generation layout tg x pg (dg derived)."""
+def plan_layout(t: int = 1, p: int = 1, d: int = 1, tg: int | None = None, pg: int | None = None) -> GenerationLayout:
+    """A candidate layout: training t x p x d, generation tg x pg (default: as in training).
 
-    t: int = 1
-    p: int = 1
-    d: int = 1
-    tg: int = 1
-    pg: int = 1
-
-    @property
-    def devices(self) -> int:
-        return self.t * self.p * self.d
-
-    def __str__(self) -> str:
-        gen = f" gen tp={self.tg} pp={self.pg}" if (self.tg, self.pg) != (self.t, self.p) else ""
-        return f"tp={self.t} pp={self.p} dp={self.d}{gen}"
+    The simulator scores every model under a ``GenerationLayout``; for a model that does not
+    generate, its generation part equals the training one and costs nothing.
+    """
+    train = ParallelLayout(tp=t, pp=p, dp=d)
+    return GenerationLayout(train=train, tp=t if tg is None else tg, pp=p if pg is None else pg)
 
 
 Work = dict  # kind -> amount (FLOPs, bytes, or calls for "overhead:<kind>" / "latency")
@@ -161,10 +153,10 @@ class Simulator:
 
     # -- layouts and memory ----------------------------------------------------------------------
 
-    def layouts(self, model: ModelInfo, n: int) -> list[Layout]:
+    def layouts(self, model: ModelInfo, n: int) -> list[GenerationLayout]:
         """Every valid layout of ``model`` on ``n`` devices (TP inside a node, divides heads)."""
         if model.arch is None or not model.any_layout:
-            return [Layout(1, 1, n, 1, 1)]
+            return [plan_layout(d=n)]
         arch = model.arch
         out = []
         for t in _divisors(n):
@@ -177,43 +169,43 @@ class Simulator:
                 gens = [(t, p)]
                 if model.role == "actor" and model.flexible_generation:
                     gens = [(tg, pg) for tg in _divisors(t) for pg in _divisors(p)]
-                out.extend(Layout(t, p, d, tg, pg) for tg, pg in gens)
+                out.extend(plan_layout(t, p, d, tg, pg) for tg, pg in gens)
         return out
 
-    def static_memory(self, model: ModelInfo, layout: Layout) -> float:
+    def static_memory(self, model: ModelInfo, layout: GenerationLayout) -> float:
         """Bytes per device held all iteration: weights (+ grads and optimizer if trained)."""
         if model.arch is None:
             return 0.0
         params = model.arch.num_params
         bpp = self.profile.bytes_per_param
-        mp = layout.t * layout.p
+        mp = layout.train.model_parallel_size
         memory = params * bpp / mp
         if model.trainable:
-            memory += params * bpp / mp + params * OPTIMIZER_BYTES_PER_PARAM / layout.devices
+            memory += params * bpp / mp + params * OPTIMIZER_BYTES_PER_PARAM / layout.train.world_size
         return memory
 
-    def transient_memory(self, model: ModelInfo, layout: Layout) -> float:
+    def transient_memory(self, model: ModelInfo, layout: GenerationLayout) -> float:
         """Bytes per device needed only while one op runs: activations, or generation's extra
         weight shard plus the KV cache of at least one sequence."""
         if model.arch is None:
             return 0.0
         arch, w = model.arch, self.workload
         tokens = w.micro_batch * w.seq_len
-        act = ACTIVATION_BYTES * tokens * arch.hidden * arch.num_layers / layout.t
+        act = ACTIVATION_BYTES * tokens * arch.hidden * arch.num_layers / layout.train.tp
         if not model.trainable:
-            act = ACTIVATION_BYTES * tokens * arch.hidden * 2 / layout.t  # a layer or two live
+            act = ACTIVATION_BYTES * tokens * arch.hidden * 2 / layout.train.tp  # a layer or two live
         gen = 0.0
         if model.role == "actor":
             gen = self._generation_weight_extra(model, layout) + self._kv_per_sequence(model, layout)
         return max(act, gen)
 
-    def _generation_weight_extra(self, model: ModelInfo, layout: Layout) -> float:
+    def _generation_weight_extra(self, model: ModelInfo, layout: GenerationLayout) -> float:
         bpp = self.profile.bytes_per_param
-        return model.arch.num_params * bpp * (1 / (layout.tg * layout.pg) - 1 / (layout.t * layout.p))
+        return model.arch.num_params * bpp * (1 / (layout.tp * layout.pp) - 1 / layout.train.model_parallel_size)
 
-    def _kv_per_sequence(self, model: ModelInfo, layout: Layout) -> float:
+    def _kv_per_sequence(self, model: ModelInfo, layout: GenerationLayout) -> float:
         kv_bpv = 2 if self.profile.bytes_per_param <= 2 else 4
-        return model.arch.kv_bytes_per_token(kv_bpv) * self.workload.seq_len / (layout.tg * layout.pg)
+        return model.arch.kv_bytes_per_token(kv_bpv) * self.workload.seq_len / (layout.tp * layout.pp)
 
     def usable_memory(self) -> float:
         return self.profile.memory_bytes * USABLE_MEMORY
@@ -227,27 +219,27 @@ class Simulator:
         _add(work, "comm_inter" if crosses_nodes else "comm_intra", 2 * (group - 1) / group * nbytes * count)
         _add(work, "latency", count)
 
-    def _dense(self, work: Work, kind: str, model: ModelInfo, layout: Layout, flops_factor: float,
+    def _dense(self, work: Work, kind: str, model: ModelInfo, layout: GenerationLayout, flops_factor: float,
                seqs: float, seq_len: int, tp_collectives_per_layer: int) -> None:
         """A forward (kind=forward) or forward+backward (kind=train) over ``seqs`` sequences."""
         arch, w = model.arch, self.workload
         flops = arch.forward_flops(seqs, seq_len) * flops_factor
-        per_replica_seqs = seqs / layout.d
+        per_replica_seqs = seqs / layout.train.dp
         micro_batches = max(1, math.ceil(per_replica_seqs / (model.micro_batch or w.micro_batch)))
-        bubble = (layout.p - 1) / micro_batches
-        _add(work, kind, flops / layout.devices * (1 + bubble))
+        bubble = (layout.train.pp - 1) / micro_batches
+        _add(work, kind, flops / layout.train.world_size * (1 + bubble))
         tokens = per_replica_seqs * seq_len
         act_bytes = tokens * arch.hidden * self.profile.bytes_per_param
-        layers = arch.num_layers / layout.p
-        self._allreduce(work, act_bytes / micro_batches, layout.t, False,
+        layers = arch.num_layers / layout.train.pp
+        self._allreduce(work, act_bytes / micro_batches, layout.train.tp, False,
                         count=tp_collectives_per_layer * layers * micro_batches)
-        if layout.p > 1:  # activations cross each stage boundary
-            crosses = layout.t * layout.p > self.devices_per_node
+        if layout.train.pp > 1:  # activations cross each stage boundary
+            crosses = layout.train.model_parallel_size > self.devices_per_node
             _add(work, "comm_inter" if crosses else "comm_intra",
-                 act_bytes * flops_factor / 2 * (layout.p - 1) / layout.p)
+                 act_bytes * flops_factor / 2 * (layout.train.pp - 1) / layout.train.pp)
 
-    def op_work(self, model: ModelInfo, op: str, layout: Layout, free_memory: float) -> Work:
-        """Work of one call of ``op`` on ``model`` placed on ``layout.devices`` devices."""
+    def op_work(self, model: ModelInfo, op: str, layout: GenerationLayout, free_memory: float) -> Work:
+        """Work of one call of ``op`` on ``model`` placed on ``layout.train.world_size`` devices."""
         w = self.workload
         work: Work = {}
         if op == "advantage":
@@ -255,40 +247,40 @@ class Simulator:
             return work
         if model.arch is None:  # rule scorer: per call plus per sample, split over ranks
             _add(work, "overhead:score", 1)
-            _add(work, "overhead:score_sample", w.num_samples / layout.d)
+            _add(work, "overhead:score_sample", w.num_samples / layout.train.dp)
             return work
         micro = model.micro_batch or w.micro_batch
         if op in ("log_prob", "values", "score"):
-            _add(work, "overhead:forward", math.ceil(w.num_samples / layout.d / micro - 1e-9))
+            _add(work, "overhead:forward", math.ceil(w.num_samples / layout.train.dp / micro - 1e-9))
             self._dense(work, "forward", model, layout, 1.0, w.num_samples, w.seq_len, 2)
         elif op == "update":
             steps = w.epochs * w.updates_per_epoch
             _add(work, "overhead:train", steps)
-            per_step = w.num_samples / w.updates_per_epoch / layout.d
+            per_step = w.num_samples / w.updates_per_epoch / layout.train.dp
             _add(work, "overhead:train_micro", steps * math.ceil(per_step / micro - 1e-9))
             self._dense(work, "train", model, layout, 3.0, w.num_samples * w.epochs, w.seq_len, 4)
-            grad_bytes = model.arch.num_params * self.profile.bytes_per_param / (layout.t * layout.p)
-            crosses = layout.devices > self.devices_per_node and layout.d > 1
+            grad_bytes = model.arch.num_params * self.profile.bytes_per_param / layout.train.model_parallel_size
+            crosses = layout.train.world_size > self.devices_per_node and layout.train.dp > 1
             # reduce-scatter grads + all-gather params once per optimizer step
-            self._allreduce(work, grad_bytes, layout.d, crosses, count=w.epochs * w.updates_per_epoch)
+            self._allreduce(work, grad_bytes, layout.train.dp, crosses, count=w.epochs * w.updates_per_epoch)
         elif op == "generate":
             self._generate(work, model, layout, free_memory)
         else:
             raise ValueError(f"no cost model for op {op!r}")
         return work
 
-    def _generate(self, work: Work, model: ModelInfo, layout: Layout, free_memory: float) -> None:
+    def _generate(self, work: Work, model: ModelInfo, layout: GenerationLayout, free_memory: float) -> None:
         arch, w, prof = model.arch, self.workload, self.profile
         _add(work, "overhead:decode", 1)
         # 3D-HybridEngine: all-gather the training shard into the generation shard inside each
         # micro-DP group of t*p / (tg*pg) consecutive ranks.
-        group = (layout.t * layout.p) // (layout.tg * layout.pg)
+        group = layout.micro_dp
         if group > 1:
-            shard = arch.num_params * prof.bytes_per_param / (layout.tg * layout.pg)
-            crosses = layout.t * layout.p > self.devices_per_node
+            shard = arch.num_params * prof.bytes_per_param / (layout.tp * layout.pp)
+            crosses = layout.train.model_parallel_size > self.devices_per_node
             _add(work, "comm_inter" if crosses else "comm_intra", (group - 1) / group * shard)
-        gen_mp = layout.tg * layout.pg
-        replicas = layout.devices // gen_mp
+        gen_mp = layout.tp * layout.pp
+        replicas = layout.train.world_size // gen_mp
         seqs = w.num_samples / replicas
         # prefill: compute-bound over the prompts
         prefill = arch.forward_flops(seqs, w.prompt_len) / gen_mp
@@ -305,8 +297,8 @@ class Simulator:
             avg_context = w.prompt_len + w.response_len / 2
             # pp stages hold 1/pg of the weights each but a token passes them one after another,
             # so a step costs pg stage-steps: pp saves memory, not decode time
-            step_bytes = (weight_bytes + batch * avg_context * kv_token) * layout.pg
-            step_flops = 2 * arch.num_params * batch / layout.tg
+            step_bytes = (weight_bytes + batch * avg_context * kv_token) * layout.pp
+            step_flops = 2 * arch.num_params * batch / layout.tp
             # roofline: a step is bound by whichever is slower
             if step_bytes * inv["decode"] >= step_flops * inv["forward"]:
                 _add(work, "decode", step_bytes * w.response_len)
@@ -314,7 +306,7 @@ class Simulator:
                 _add(work, "forward", step_flops * w.response_len)
             _add(work, "overhead:decode_step", w.response_len)
             tokens_bytes = batch * arch.hidden * prof.bytes_per_param
-            self._allreduce(work, tokens_bytes, layout.tg, False,
+            self._allreduce(work, tokens_bytes, layout.tp, False,
                             count=2 * arch.num_layers * w.response_len)
 
     # -- sets ----------------------------------------------------------------------------------
@@ -437,6 +429,6 @@ def all_partitions(items: list[str]):
 
 
 __all__ = [
-    "Layout", "Measurement", "ModelInfo", "OpNode", "PlanGraph", "Simulator", "Workload",
-    "all_partitions", "calibrate", "fit_inverse_rates", "fit_oversubscription",
+    "Measurement", "ModelInfo", "OpNode", "PlanGraph", "Simulator", "Workload",
+    "all_partitions", "calibrate", "fit_inverse_rates", "fit_oversubscription", "plan_layout",
 ]

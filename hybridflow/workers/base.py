@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridflow.workers.accounting import worker_transfers
 from hybridflow.workers.protocols import (
     dispatch_table,
     get_protocol,
@@ -86,11 +87,13 @@ class Worker:
         colocation = getattr(self, "colocation", None)  # set by workers hosting several models
         if colocation is not None and "model" in kwargs:
             colocation.activate(kwargs["model"])  # the idle models' state goes to CPU memory
+        transfers = worker_transfers()
         args = protocol.unpack(dispatch_payload)
         result = getattr(self, method_name)(*args, **kwargs)
         packed = protocol.pack(method_name, result, dispatch_payload)
         if protocol.num_returns == 2:
-            packed[1].update(t_start=started, t_end=time.time(), rank=self.rank, pid=os.getpid())
+            moved = {key: value - transfers[key] for key, value in worker_transfers().items()}
+            packed[1].update(moved, t_start=started, t_end=time.time(), rank=self.rank, pid=os.getpid())
         return packed
 
     def shutdown(self) -> None:

@@ -25,14 +25,9 @@ import ray
 
 from hybridflow.placement.pools import ResourcePool
 from hybridflow.workers.base import Worker
-from hybridflow.workers.protocols import (
-    Dispatch,
-    PendingShards,
-    controller_get,
-    dispatch_table,
-    get_protocol,
-    text_table,
-)
+from hybridflow.workers.accounting import controller_get
+from hybridflow.workers.protocols import Dispatch, dispatch_table, get_protocol, text_table
+from hybridflow.workers.sharded import PendingShards
 
 __all__ = ["PendingShards", "WorkerGroup"]
 

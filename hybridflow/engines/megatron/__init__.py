@@ -11,13 +11,12 @@ not when this package is; the worker imports the package only for ``train.engine
 - ``cpu_compat``: every CPU workaround, active only without CUDA.
 """
 
-from hybridflow.engines.megatron.convert import Dims, Rank, hf_to_megatron, shard_specs, to_hf
+from hybridflow.engines.megatron.convert import Dims, hf_to_megatron, shard_specs, to_hf
 from hybridflow.engines.megatron.engine import MegatronTrainEngine, init_parallel_state
 
 __all__ = [
     "Dims",
     "MegatronTrainEngine",
-    "Rank",
     "hf_to_megatron",
     "init_parallel_state",
     "shard_specs",

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from hybridflow.engines.shards import ShardSpec, TrainShardBuffer
+from hybridflow.spec.layout import ParallelLayout, RankCoords
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,11 @@ class Dims:
             qkv_bias=getattr(hf_config, "model_type", "qwen2") == "qwen2",
         )
 
+    def layers_of(self, coords: RankCoords) -> range:
+        """Global indices of the layers of ``coords``' pipeline stage (split evenly)."""
+        per_stage = self.num_layers // coords.layout.pp
+        return range(coords.pp_rank * per_stage, (coords.pp_rank + 1) * per_stage)
+
     def padded_vocab(self, tp: int) -> int:
         return -(-self.vocab_size // tp) * tp
 
@@ -96,31 +102,8 @@ class Dims:
             )
 
 
-@dataclass(frozen=True)
-class Rank:
-    """Where a rank sits in the model-parallel grid."""
-
-    tp_rank: int = 0
-    tp: int = 1
-    pp_rank: int = 0
-    pp: int = 1
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
-    def layers(self, dims: Dims) -> range:
-        """Global indices of this stage's layers."""
-        per_stage = dims.num_layers // self.pp
-        return range(self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage)
-
-
-def _chunk(tensor: Tensor, dim: int, rank: Rank) -> Tensor:
-    return tensor.chunk(rank.tp, dim=dim)[rank.tp_rank]
+def _chunk(tensor: Tensor, dim: int, coords: RankCoords) -> Tensor:
+    return tensor.chunk(coords.layout.tp, dim=dim)[coords.tp_rank]
 
 
 def _pad_vocab(weight: Tensor, padded: int) -> Tensor:
@@ -158,14 +141,14 @@ def _ungroup_qkv(qkv: Tensor, dims: Dims, tp: int) -> tuple[Tensor, Tensor, Tens
     )
 
 
-def hf_to_megatron(hf_state: dict[str, Tensor], dims: Dims, rank: Rank) -> dict[str, Tensor]:
+def hf_to_megatron(hf_state: dict[str, Tensor], dims: Dims, coords: RankCoords) -> dict[str, Tensor]:
     """This rank's megatron ``GPTModel`` parameters (its stage's names) from a full HF state."""
     out: dict[str, Tensor] = {}
-    padded = dims.padded_vocab(rank.tp)
+    padded = dims.padded_vocab(coords.layout.tp)
     embed = _pad_vocab(hf_state["model.embed_tokens.weight"], padded)
-    if rank.is_first_stage:
-        out["embedding.word_embeddings.weight"] = _chunk(embed, 0, rank)
-    for local, layer in enumerate(rank.layers(dims)):
+    if coords.is_first_stage:
+        out["embedding.word_embeddings.weight"] = _chunk(embed, 0, coords)
+    for local, layer in enumerate(dims.layers_of(coords)):
         hf = f"model.layers.{layer}."
         mg = f"decoder.layers.{local}."
         attn = hf + "self_attn."
@@ -176,7 +159,7 @@ def hf_to_megatron(hf_state: dict[str, Tensor], dims: Dims, rank: Rank) -> dict[
             hf_state[attn + "v_proj.weight"],
             dims,
         )
-        out[mg + "self_attention.linear_qkv.weight"] = _chunk(qkv, 0, rank)
+        out[mg + "self_attention.linear_qkv.weight"] = _chunk(qkv, 0, coords)
         if dims.qkv_bias:
             qkv_bias = _group_qkv(
                 hf_state[attn + "q_proj.bias"],
@@ -184,22 +167,22 @@ def hf_to_megatron(hf_state: dict[str, Tensor], dims: Dims, rank: Rank) -> dict[
                 hf_state[attn + "v_proj.bias"],
                 dims,
             )
-            out[mg + "self_attention.linear_qkv.bias"] = _chunk(qkv_bias, 0, rank)
+            out[mg + "self_attention.linear_qkv.bias"] = _chunk(qkv_bias, 0, coords)
         out[mg + "self_attention.linear_proj.weight"] = _chunk(
-            hf_state[attn + "o_proj.weight"], 1, rank
+            hf_state[attn + "o_proj.weight"], 1, coords
         )
         out[mg + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
-        gate = _chunk(hf_state[hf + "mlp.gate_proj.weight"], 0, rank)
-        up = _chunk(hf_state[hf + "mlp.up_proj.weight"], 0, rank)
+        gate = _chunk(hf_state[hf + "mlp.gate_proj.weight"], 0, coords)
+        up = _chunk(hf_state[hf + "mlp.up_proj.weight"], 0, coords)
         out[mg + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
-        out[mg + "mlp.linear_fc2.weight"] = _chunk(hf_state[hf + "mlp.down_proj.weight"], 1, rank)
-    if rank.is_last_stage:
+        out[mg + "mlp.linear_fc2.weight"] = _chunk(hf_state[hf + "mlp.down_proj.weight"], 1, coords)
+    if coords.is_last_stage:
         out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"]
         if not dims.tied:
             lm_head = _pad_vocab(hf_state["lm_head.weight"], padded)
-            out["output_layer.weight"] = _chunk(lm_head, 0, rank)
-        elif not rank.is_first_stage:
-            out["output_layer.weight"] = _chunk(embed, 0, rank)
+            out["output_layer.weight"] = _chunk(lm_head, 0, coords)
+        elif not coords.is_first_stage:
+            out["output_layer.weight"] = _chunk(embed, 0, coords)
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
@@ -220,19 +203,19 @@ class _Entry:
     parts: int = 1
 
 
-def _stage_entries(dims: Dims, rank: Rank) -> list[_Entry]:
-    """The tensors of ``rank``'s stage, in buffer order (``rank.tp_rank`` does not matter)."""
-    padded = dims.padded_vocab(rank.tp)
+def _stage_entries(dims: Dims, coords: RankCoords) -> list[_Entry]:
+    """The tensors of ``coords``' stage, in buffer order (``coords.tp_rank`` does not matter)."""
+    padded = dims.padded_vocab(coords.layout.tp)
     h, d, ffn = dims.hidden_size, dims.head_dim, dims.ffn_hidden_size
     qkv_rows = dims.num_kv_heads * (dims.heads_per_group + 2) * d
     entries: list[_Entry] = []
 
     def add(name, megatron, tp_dim, shape, part=0, parts=1):
-        entries.append(_Entry(ShardSpec(name, shape, tp_dim, rank.pp_rank), megatron, part, parts))
+        entries.append(_Entry(ShardSpec(name, shape, tp_dim, coords.pp_rank), megatron, part, parts))
 
-    if rank.is_first_stage:
+    if coords.is_first_stage:
         add("model.embed_tokens.weight", "embedding.word_embeddings.weight", 0, (padded, h))
-    for local, layer in enumerate(rank.layers(dims)):
+    for local, layer in enumerate(dims.layers_of(coords)):
         hf, mg = f"model.layers.{layer}.", f"decoder.layers.{local}."
         add(hf + "input_layernorm.weight", mg + "input_layernorm.weight", None, (h,))
         add(f"{hf}{QKV}.weight", mg + "self_attention.linear_qkv.weight", 0, (qkv_rows, h))
@@ -243,7 +226,7 @@ def _stage_entries(dims: Dims, rank: Rank) -> list[_Entry]:
         add(hf + "mlp.gate_proj.weight", mg + "mlp.linear_fc1.weight", 0, (ffn, h), 0, 2)
         add(hf + "mlp.up_proj.weight", mg + "mlp.linear_fc1.weight", 0, (ffn, h), 1, 2)
         add(hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight", 1, (h, ffn))
-    if rank.is_last_stage:
+    if coords.is_last_stage:
         add("model.norm.weight", "decoder.final_layernorm.weight", None, (h,))
         if not dims.tied:
             add("lm_head.weight", "output_layer.weight", 0, (padded, h))
@@ -252,28 +235,28 @@ def _stage_entries(dims: Dims, rank: Rank) -> list[_Entry]:
 
 def shard_specs(dims: Dims, tp: int, pp: int) -> list[ShardSpec]:
     """The resharding layout of the whole model under ``tp`` x ``pp``, stage after stage."""
-    return [e.spec for stage in range(pp) for e in _stage_entries(dims, Rank(0, tp, stage, pp))]
+    return [e.spec for stage in range(pp) for e in _stage_entries(dims, RankCoords(ParallelLayout(tp=tp, pp=pp), pp_rank=stage))]
 
 
-def megatron_views(buffer: TrainShardBuffer, dims: Dims, rank: Rank) -> dict[str, Tensor]:
+def megatron_views(buffer: TrainShardBuffer, dims: Dims, coords: RankCoords) -> dict[str, Tensor]:
     """Megatron parameter name -> its view of ``buffer`` (this rank's flat training shard)."""
     by_param: dict[str, list[_Entry]] = {}
-    for entry in _stage_entries(dims, rank):
+    for entry in _stage_entries(dims, coords):
         by_param.setdefault(entry.megatron, []).append(entry)
     views = {}
     for name, entries in by_param.items():
-        shapes = [e.spec.shard_shape(rank.tp) for e in entries]
+        shapes = [e.spec.shard_shape(coords.layout.tp) for e in entries]
         shape = (sum(s[0] for s in shapes), *shapes[0][1:])
         views[name] = buffer.span([e.spec.name for e in entries], shape)
     return views
 
 
-def resharding_named(mg_state: Mapping[str, Tensor], dims: Dims, rank: Rank) -> dict[str, Tensor]:
+def resharding_named(mg_state: Mapping[str, Tensor], dims: Dims, coords: RankCoords) -> dict[str, Tensor]:
     """This rank's megatron tensors (weights, or anything shaped like them, e.g. gradients) under
     the resharding layout's names: views, fused ``linear_fc1`` split into gate and up."""
     return {
         e.spec.name: mg_state[e.megatron].chunk(e.parts, dim=0)[e.part]
-        for e in _stage_entries(dims, rank)
+        for e in _stage_entries(dims, coords)
     }
 
 

@@ -46,7 +46,6 @@ from hybridflow.engines.base import LossFn, TrainEngine
 from hybridflow.engines.megatron import cpu_compat
 from hybridflow.engines.megatron.convert import (
     Dims,
-    Rank,
     hf_to_megatron,
     megatron_views,
     resharding_named,
@@ -129,10 +128,13 @@ class MegatronTrainEngine(TrainEngine):
         tp, pp = spec.layout.tp, spec.layout.pp
         init_parallel_state(tp, pp, seed)
         self.ps = ps
-        self.rank = Rank(
-            ps.get_tensor_model_parallel_rank(), tp, ps.get_pipeline_model_parallel_rank(), pp
-        )
         self.dp_size = ps.get_data_parallel_world_size()
+        self.train_layout = ParallelLayout(tp=tp, pp=pp, dp=self.dp_size)
+        self.coords = self.train_layout.coords(dist.get_rank())
+        assert (self.coords.tp_rank, self.coords.pp_rank) == (
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank(),
+        ), "megatron's rank order must be ParallelLayout's"
         self.dp_group = ps.get_data_parallel_group()
         # Group over which callers reduce per-token statistics of loss_fn calls: every rank (the
         # TP ranks of a replica see the same tokens, which ratio-type statistics tolerate).
@@ -143,20 +145,19 @@ class MegatronTrainEngine(TrainEngine):
         self.dtype = next(hf_model.parameters()).dtype
         self.device = torch.device("cpu") if cpu_compat.needed() else torch.device("cuda")
 
-        self.train_layout = ParallelLayout(tp=tp, pp=pp, dp=self.dp_size)
         # The training shard: one flat tensor whose views are the parameters (set before DDP and
         # the optimizer take them), so the resharder sends and keeps it without a copy.
         self.specs = shard_specs(self.dims, tp, pp)
         self.train_shard = TrainShardBuffer.allocate(
-            self.specs, self.rank.pp_rank, tp, dist.get_rank(), self.dtype, self.device
+            self.specs, self.coords.pp_rank, tp, dist.get_rank(), self.dtype, self.device
         )
-        module = build_gpt_model(self.hf_config, self.rank, self.dtype).to(self.device)
-        views = megatron_views(self.train_shard, self.dims, self.rank)
+        module = build_gpt_model(self.hf_config, self.coords, self.dtype).to(self.device)
+        views = megatron_views(self.train_shard, self.dims, self.coords)
         for name, param in module.named_parameters():
             if name in views:  # all but a tied output layer's copy on the last stage (p > 1)
                 param.data = views[name]
         state = {n: t.to(self.device) for n, t in hf_model.state_dict().items()}
-        load_megatron_state(module, hf_to_megatron(state, self.dims, self.rank))
+        load_megatron_state(module, hf_to_megatron(state, self.dims, self.coords))
         # Named ``gpt_model``, not ``module``: the engine manages its own memory. Worker-level
         # offload (``workers/colocation.py``) moves engines that expose a plain ``module``, and a
         # ``.to()`` of this one would detach its parameters from megatron DDP's grad buffers.
@@ -197,10 +198,10 @@ class MegatronTrainEngine(TrainEngine):
     def _model_parallel_union(self, batch: TensorDict) -> tuple[TensorDict, slice]:
         """The samples of every rank of this model-parallel group, and where ours sit in it."""
         num = batch.batch_size[0]
-        if self.same_batch or self.rank.tp * self.rank.pp == 1:
+        if self.same_batch or self.train_layout.tp * self.train_layout.pp == 1:
             return batch, slice(0, num)
         tensors = batch.select(*[k for k, v in batch.items() if isinstance(v, Tensor)])
-        pieces: list = [None] * (self.rank.tp * self.rank.pp)
+        pieces: list = [None] * (self.train_layout.tp * self.train_layout.pp)
         group = self.ps.get_model_parallel_group()
         dist.all_gather_object(pieces, tensors, group=group)
         start = sum(p.batch_size[0] for p in pieces[: dist.get_rank(group)])
@@ -231,7 +232,7 @@ class MegatronTrainEngine(TrainEngine):
         wanted = torch.arange(seq_len - num_response - 1, seq_len - 1, device=self.device)
         index = (wanted[None] - shifts[:, None]) % seq_len
         picked = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
-        if self.rank.tp > 1:
+        if self.train_layout.tp > 1:
             picked = gather_from_tensor_model_parallel_region(picked)
         picked = picked[..., : self.dims.vocab_size].float() / temperature
         mask = mb[K.RESPONSE_MASK].to(self.device, torch.float32)
@@ -267,7 +268,7 @@ class MegatronTrainEngine(TrainEngine):
 
     def _from_last_stage(self, obj):
         """``obj`` of the last pipeline stage, on every rank of this rank's pipeline group."""
-        if self.rank.pp == 1:
+        if self.train_layout.pp == 1:
             return obj
         box = [obj]
         dist.broadcast_object_list(
@@ -288,7 +289,7 @@ class MegatronTrainEngine(TrainEngine):
             store = self._run_schedule(batch, temperature, None, {})
         finally:
             self.model.train()
-        parts = self._from_last_stage(store if self.rank.is_last_stage else None)
+        parts = self._from_last_stage(store if self.coords.is_last_stage else None)
         return {key: torch.cat([p[key] for p in parts])[own].cpu() for key in parts[0]}
 
     def _all_reduce_dp(self, values: Tensor) -> Tensor:
@@ -331,7 +332,7 @@ class MegatronTrainEngine(TrainEngine):
             self.optimizer.step_with_ready_grads()
         self.step_count += 1
 
-        records = self._from_last_stage(store if self.rank.is_last_stage else None)
+        records = self._from_last_stage(store if self.coords.is_last_stage else None)
         names = sorted(records[0]["metrics"])
         sums = [sum(r["loss"] for r in records)] + [sum(r["metrics"][k] for r in records) for k in names]
         reduced = self._all_reduce_dp(torch.tensor(sums, dtype=torch.float64))
@@ -365,24 +366,24 @@ class MegatronTrainEngine(TrainEngine):
         if megatron_tensors is None:
             named = self.train_shard.views
         else:
-            named = resharding_named(megatron_tensors, self.dims, self.rank)
+            named = resharding_named(megatron_tensors, self.dims, self.coords)
         tp_group = self.ps.get_tensor_model_parallel_group()
         full: dict[str, Tensor] = {}
         for spec in self.specs:
-            if spec.pp_stage != self.rank.pp_rank:
+            if spec.pp_stage != self.coords.pp_rank:
                 continue
             tensor = named[spec.name]
-            if spec.tp_dim is None or self.rank.tp == 1:
+            if spec.tp_dim is None or self.train_layout.tp == 1:
                 full[spec.name] = tensor
             else:
-                pieces = [torch.empty_like(tensor) for _ in range(self.rank.tp)]
+                pieces = [torch.empty_like(tensor) for _ in range(self.train_layout.tp)]
                 dist.all_gather(pieces, tensor.contiguous(), group=tp_group)
                 full[spec.name] = torch.cat(pieces, dim=spec.tp_dim)
-        if self.rank.pp > 1:
+        if self.train_layout.pp > 1:
             pp_group = self.ps.get_pipeline_model_parallel_group()
             pp_ranks = dist.get_process_group_ranks(pp_group)
             for spec in self.specs:
-                if spec.pp_stage != self.rank.pp_rank:
+                if spec.pp_stage != self.coords.pp_rank:
                     full[spec.name] = torch.empty(spec.full_shape, dtype=self.dtype, device=self.device)
                 dist.broadcast(full[spec.name], src=pp_ranks[spec.pp_stage], group=pp_group)
         state = {name: t.contiguous() for name, t in to_hf(full.items(), self.dims, 1, trim_vocab=True)}

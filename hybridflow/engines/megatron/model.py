@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.engines.megatron import cpu_compat
-from hybridflow.engines.megatron.convert import Dims, Rank
+from hybridflow.engines.megatron.convert import Dims
+from hybridflow.spec.layout import RankCoords
 
 
 def rope_theta(hf_config) -> float:
@@ -54,26 +55,26 @@ def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype):
     )
 
 
-def build_gpt_model(hf_config, rank: Rank, dtype: torch.dtype = torch.float32):
+def build_gpt_model(hf_config, coords: RankCoords, dtype: torch.dtype = torch.float32):
     """An uninitialised megatron ``GPTModel`` for this rank's pipeline stage.
 
-    ``parallel_state`` must be initialised with ``rank.tp`` x ``rank.pp``. The output layer keeps
-    its vocabulary shard (``parallel_output=True``); the engine gathers logits itself.
+    ``parallel_state`` must be initialised with ``coords.layout``'s tp x pp. The output layer
+    keeps its vocabulary shard (``parallel_output=True``); the engine gathers logits itself.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     dims = Dims.from_hf(hf_config)
-    dims.check(rank.tp, rank.pp)
-    config = transformer_config(hf_config, rank.tp, rank.pp, dtype)
+    dims.check(coords.layout.tp, coords.layout.pp)
+    config = transformer_config(hf_config, coords.layout.tp, coords.layout.pp, dtype)
     with cpu_compat.building_model():
         model = GPTModel(
             config=config,
             transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-            vocab_size=dims.padded_vocab(rank.tp),
+            vocab_size=dims.padded_vocab(coords.layout.tp),
             max_sequence_length=hf_config.max_position_embeddings,
-            pre_process=rank.is_first_stage,
-            post_process=rank.is_last_stage,
+            pre_process=coords.is_first_stage,
+            post_process=coords.is_last_stage,
             parallel_output=True,
             share_embeddings_and_output_weights=dims.tied,
             position_embedding_type="rope",

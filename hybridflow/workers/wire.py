@@ -1,0 +1,77 @@
+"""The wire format of a batch shard: how a ``TensorDict`` is stored in the object store.
+
+A shard travels as a ``WireBatch``: its tensors as they are and its per-sample strings as plain
+lists (a ``NonTensorStack`` of 256 short strings costs ~14 ms to put and get through the object
+store, the same batch's tensors ~2 ms).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import NonTensorStack, TensorDict, TensorDictBase
+from tensordict.utils import is_non_tensor
+
+
+class WireBatch:
+    """A flat ``TensorDict`` as it is stored: tensors as they are, non-tensor fields as lists.
+
+    ``to_wire`` / ``from_wire`` convert; ``from_wire`` also accepts a plain ``TensorDict`` (what
+    a caller that ``ray.put`` a batch itself stores).
+    """
+
+    __slots__ = ("batch_size", "lists", "tensors")
+
+    def __init__(self, tensors: dict, lists: dict, batch_size: tuple[int, ...]) -> None:
+        self.tensors, self.lists, self.batch_size = tensors, lists, batch_size
+
+    def __reduce__(self):
+        return WireBatch, (self.tensors, self.lists, self.batch_size)
+
+
+def to_wire(batch: TensorDictBase) -> WireBatch | TensorDictBase:
+    """``batch`` in its stored form; a nested batch is stored as it is."""
+    tensors, lists = {}, {}
+    for key in batch.keys():
+        value = batch.get(key)
+        if is_non_tensor(value):
+            lists[key] = value.tolist()
+        elif isinstance(value, torch.Tensor):
+            tensors[key] = value
+        else:
+            return batch
+    return WireBatch(tensors, lists, tuple(batch.batch_size))
+
+
+def from_wire(stored: WireBatch | TensorDictBase, with_text: bool = True) -> TensorDictBase:
+    """The batch ``stored`` holds; ``with_text=False`` leaves out its non-tensor fields (building
+    a ``NonTensorStack`` of 256 strings takes ~0.5 ms, and only the methods registered with
+    ``text=True`` read them)."""
+    if not isinstance(stored, WireBatch):
+        if with_text:
+            return stored
+        return stored.exclude(*[k for k in stored.keys() if is_non_tensor(stored.get(k))])
+    batch = TensorDict(stored.tensors, batch_size=stored.batch_size)
+    for key, values in stored.lists.items() if with_text else ():
+        batch.set(key, NonTensorStack.from_list(values))
+    return batch
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of every tensor inside ``value`` (tensors, TensorDicts, dicts, lists, tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, TensorDictBase):
+        return sum(
+            tensor_bytes(leaf)
+            for leaf in value.values(include_nested=True, leaves_only=True)
+            if isinstance(leaf, torch.Tensor)
+        )
+    if isinstance(value, WireBatch):
+        return tensor_bytes(value.tensors)
+    if isinstance(value, dict):
+        return sum(tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(item) for item in value)
+    return 0
