@@ -54,9 +54,8 @@ def test_model_reward_scores_equal_direct_transformers_forward(ray_session, tmp_
         ModelWorker,
         pool,
         init_kwargs={
-            "graph_spec": graph.spec,
+            "graph": graph,
             "models": graph.models_on("default"),
-            "layouts": {m: graph.layouts[m] for m in graph.models_on("default")},
             "tokenizer_dir": str(tokenizer_dir),
             "total_steps": 1,
         },

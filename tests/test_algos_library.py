@@ -304,12 +304,22 @@ def _rollout(scores_key=K.SCORES, values_key=K.VALUES):
     )
 
 
+def _advantage_node(name: str, inputs: list[str], outputs: list[str], **options):
+    """The resolved advantage node a worker runs (keys and slots as validation fills them)."""
+    from hybridflow.graph.dag import resolve_node
+    from hybridflow.spec.graph import AdvantageNode, ModelSpec
+
+    spec = AdvantageNode(name=name, op="advantage", model="actor", inputs=inputs, outputs=outputs, options=options)
+    return resolve_node(spec, ModelSpec(role="actor", source={"config": {}}))
+
+
 def test_compute_advantages_kl_in_reward_and_cost_keys():
     options = {"estimator": "gae", "kl_coef": 0.1, "kl_estimator": "k1"}
     state = {"kl_ctrl/adv": FixedKLController(0.1)}
     out, metrics = algo_steps.compute_advantages(
-        _rollout(), options, "adv", ["responses", "scores", "values", "old_log_probs", "ref_log_probs"],
-        ["advantages"], state,
+        _rollout(),
+        _advantage_node("adv", ["responses", "scores", "values", "old_log_probs", "ref_log_probs"], ["advantages"], **options),
+        state,
     )
     # k1 = old - ref: row 0: 0.5 0 -0.5, row 1: 0 1 (masked). Rewards: row 0 = -0.05 0 1.05,
     # row 1 = 0 1.9. gamma = lambda = 1: A_t = sum of rewards from t - V_t.
@@ -319,15 +329,17 @@ def test_compute_advantages_kl_in_reward_and_cost_keys():
     assert metrics["reward_kl/mean"] == pytest.approx((0.5 + 0 - 0.5 + 0 + 1) / 5)
 
     cost_out, cost_metrics = algo_steps.compute_advantages(
-        _rollout(K.COSTS, K.COST_VALUES), {"estimator": "gae"}, "cost_adv",
-        ["responses", "costs", "cost_values"], ["cost_advantages"], {},
+        _rollout(K.COSTS, K.COST_VALUES),
+        _advantage_node("cost_adv", ["responses", "costs", "cost_values"], ["cost_advantages"], estimator="gae"),
+        {},
     )
     assert set(cost_out.keys()) == {K.COST_ADVANTAGES, K.COST_RETURNS}
     assert_close(cost_out[K.COST_ADVANTAGES].double(), t([[0.5, 0.8, 0.6], [1.0, 1.5, 0.0]]), rtol=0, atol=1e-6)
     assert "cost_advantage/abs_mean" in cost_metrics
     with pytest.raises(ValueError, match="needs inputs"):
-        algo_steps.compute_advantages(_rollout(), options, "adv", ["responses", "scores", "values"],
-                                      ["advantages"], state)
+        algo_steps.compute_advantages(
+            _rollout(), _advantage_node("adv", ["responses", "scores", "values"], ["advantages"], **options), state
+        )
 
 
 def test_apply_safety_steps_lambda_then_combines():

@@ -15,6 +15,7 @@ from hybridflow.engines.base import SamplingParams
 from hybridflow.engines.hf_rollout import HFRolloutEngine
 from hybridflow.engines.models import build_causal_lm, build_value_model
 from hybridflow.engines.torch_engine import TorchTrainEngine, lr_factor
+from hybridflow.graph.ops import graph_keys
 from hybridflow.spec.graph import ModelSource, OptimSpec, TrainEngineSpec
 
 PAD, EOS, VOCAB = 0, 1, 12
@@ -108,7 +109,7 @@ def test_generate_fields_and_rollout_log_probs_match_training():
     out = rollout.generate(_prompts(), params)
 
     assert out.batch_size == torch.Size([12])
-    for key in K.GRAPH_KEYS["responses"] + (K.PROMPT_IDS, K.PROMPT_MASK):
+    for key in graph_keys()["responses"] + (K.PROMPT_IDS, K.PROMPT_MASK):
         assert key in out.keys(), key
     assert out[K.RESPONSES].shape == (12, 8) and out[K.INPUT_IDS].shape == (12, 13)
     assert out[K.UID].tolist() == [0] * 4 + [1] * 4 + [2] * 4

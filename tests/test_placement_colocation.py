@@ -17,7 +17,6 @@ import ray
 from hybridflow.data.tasks import get_task
 from hybridflow.graph.dag import load_graph
 from hybridflow.placement.pools import ResourcePool
-from hybridflow.spec.layout import ParallelLayout
 from hybridflow.spec.pool import PoolSpec
 from hybridflow.workers.group import WorkerGroup
 from hybridflow.workers.model_worker import ModelWorker
@@ -86,9 +85,8 @@ def _group(graph, models: list[str], tokenizer_dir: Path, name: str) -> WorkerGr
         ModelWorker,
         pool,
         init_kwargs={
-            "graph_spec": graph.spec,
+            "graph": graph,
             "models": models,
-            "layouts": {m: ParallelLayout().resolve(1) for m in models},
             "tokenizer_dir": str(tokenizer_dir),
             "total_steps": 10,
         },
@@ -107,7 +105,10 @@ def _rss(group: WorkerGroup) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_colocated_process_uses_less_memory_than_two_single_role_ones(ray_session, tmp_path):
-    graph = load_graph(ROOT / "graphs/grpo.yaml", BIGGER + ["data.prompts_per_iteration=2"])
+    # One-rank pools, as the groups below: the graph's layouts are dp = 1.
+    graph = load_graph(
+        ROOT / "graphs/grpo.yaml", BIGGER + ["data.prompts_per_iteration=2"], ROOT / "benchmarks/one_rank_pool.yaml"
+    )
     task = get_task("copy")
     tokenizer = task.tokenizer()
     tokenizer.save_pretrained(tmp_path / "tok")
@@ -125,14 +126,11 @@ def test_colocated_process_uses_less_memory_than_two_single_role_ones(ray_sessio
         # The same work in each: log-probs from every hosted model of the same responses
         # (and generation in the processes that host the actor).
         for key in ("both", "actor"):
-            responses, _ = groups[key].generate(
-                [prompts], group_size=1, model="actor", greedy=False
-            ).result(timeout_s=300)
+            responses, _ = groups[key].run_op([prompts], group_size=1, node="generate").result(timeout_s=300)
+        log_prob = {"actor": "old_log_prob", "ref": "ref_log_prob"}
         for key, group in groups.items():
             for model in ["actor", "ref"] if key == "both" else [key]:
-                group.log_prob(
-                    [responses], group_size=1, model=model, output_key="x", temperature=1.0
-                ).result(timeout_s=300)
+                group.run_op([responses], group_size=1, node=log_prob[model]).result(timeout_s=300)
         usage = {key: _rss(group) for key, group in groups.items()}
         stats = ray.get(groups["both"].workers[0].__ray_call__.remote(lambda w: w.colocation.stats()))
     finally:

@@ -48,6 +48,7 @@ from hybridflow.workers.accounting import FETCHED_BYTES, PUT_BYTES, controller_g
 from hybridflow.workers.protocols import Dispatch
 from hybridflow.workers.sharded import ShardedRef
 
+RUN_OP = "run_op"  # the worker method every node is run through (ModelWorker.run_op)
 FETCHED_BYTES_METRIC = "controller/fetched_tensor_bytes"
 # Tensor bytes the workers fetched from / put into the object store, all nodes and ranks.
 TRANSFER_METRICS = {FETCHED_BYTES: "transfer/fetched_bytes", PUT_BYTES: "transfer/put_bytes"}
@@ -69,28 +70,13 @@ class IterationResult:
     outputs: dict[str, NodeResult] = field(default_factory=dict)
 
 
-def _call_args(graph: Graph, node: Node) -> tuple[str, dict]:
-    """Worker method and keyword arguments for a node."""
-    options = node.spec.options.model_dump()
-    actor_rollout = graph.spec.models[graph.actor].rollout
-    temperature = actor_rollout.temperature if actor_rollout is not None else 1.0
-    if node.op == "generate":
-        return "generate", {"model": node.model, "greedy": options["greedy"]}
-    if node.op == "log_prob":
-        return "log_prob", {"model": node.model, "output_key": node.outputs[0], "temperature": temperature}
-    if node.op == "values":
-        return "compute_values", {"model": node.model, "output_key": node.outputs[0]}
-    if node.op == "score":
-        return "score", {"model": node.model, "options": options, "output_key": node.outputs[0]}
-    if node.op == "advantage":
-        keys = {"node": node.name, "inputs": list(node.inputs), "outputs": list(node.outputs)}
-        return "advantage", {"options": options, **keys}
-    if node.op == "update":
-        return "update", {
-            "model": node.model, "options": options, "temperature": temperature,
-            "node": node.name, "inputs": list(node.inputs),
-        }
-    raise AssertionError(f"op {node.op} has no worker method")
+def _call_args(graph: Graph, node: Node) -> dict:
+    """Keyword arguments of ``run_op`` for a node: its name, whether its op reads per-sample
+    strings, and its options when they are not the graph's (validation's greedy generate)."""
+    kwargs = {"node": node.name, "with_text": graph.op(node).text}
+    if node.spec != graph.node(node.name).spec:
+        kwargs["options"] = node.spec.options
+    return kwargs
 
 
 @dataclass
@@ -161,14 +147,13 @@ def run_nodes(
             inputs = [input_of(src, group) for src in producers_of(node)]
             if any(item is None for item in inputs):
                 continue
-            method, kwargs = _call_args(graph, node)
             group_size = max(size for _, size in inputs)
             data = [sharded for sharded, _ in inputs]
-            handle = group.call(method, data, group_size=group_size, **kwargs)
+            handle = group.call(RUN_OP, data, group_size=group_size, **_call_args(graph, node))
             output_group_size = samples_per_prompt(graph.spec, node, group_size)
             pending[node.name] = _Pending(
                 handle, time.perf_counter(), output_group_size, group,
-                _predict_output(group, method, data, group_size, output_group_size, handle),
+                _predict_output(group, RUN_OP, data, group_size, output_group_size, handle),
             )
             remaining.remove(node)
         if not pending:

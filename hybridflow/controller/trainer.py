@@ -230,9 +230,8 @@ class Trainer:
                 ModelWorker,
                 pool,
                 init_kwargs={
-                    "graph_spec": self.spec,
+                    "graph": self.graph,
                     "models": self.graph.models_on(pool_name),
-                    "layouts": {m: self.graph.layouts[m] for m in self.graph.models_on(pool_name)},
                     "tokenizer_dir": str((self.run_dir / "tokenizer").resolve()),
                     "total_steps": self._total_optimizer_steps(),
                 },

@@ -50,34 +50,5 @@ COST_VALUES = "cost_values"  # (B, R) float, cost-critic value estimates
 COST_ADVANTAGES = "cost_advantages"  # (B, R) float, per-token cost advantages
 COST_RETURNS = "cost_returns"  # (B, R) float, cost-critic value targets
 
-# The graph-level key a node consumes names the data it needs; the node's producer may emit
-# companion fields with it. This maps each graph-level key to the batch fields it stands for.
-GRAPH_KEYS: dict[str, tuple[str, ...]] = {
-    "prompts": (PROMPT_IDS, PROMPT_MASK, UID, PROMPT_TEXT, GROUND_TRUTH),
-    "responses": (
-        RESPONSES,
-        RESPONSE_MASK,
-        INPUT_IDS,
-        ATTENTION_MASK,
-        POSITION_IDS,
-        TRUNCATED,
-        ROLLOUT_LOG_PROBS,
-        UID,
-        PROMPT_TEXT,
-        GROUND_TRUTH,
-    ),
-    "old_log_probs": (OLD_LOG_PROBS,),
-    "ref_log_probs": (REF_LOG_PROBS,),
-    "values": (VALUES,),
-    "scores": (SCORES, TOKEN_REWARDS),
-    "advantages": (ADVANTAGES, RETURNS),
-    # A second generation (ReMax's greedy one) carries the same fields under its own graph key.
-    "greedy_responses": (RESPONSES, RESPONSE_MASK, INPUT_IDS, ATTENTION_MASK, POSITION_IDS),
-    "baseline_scores": (BASELINE_SCORES,),
-    "costs": (COSTS,),
-    "cost_values": (COST_VALUES,),
-    "cost_advantages": (COST_ADVANTAGES, COST_RETURNS),
-}
-
-# Keys the data source provides before any node runs.
-SOURCE_KEYS = ("prompts",)
+# Which of these fields each graph-level key (a node's input or output) stands for is part of the
+# op that writes it: ``hybridflow.graph.ops`` (``graph_keys()``).

@@ -6,26 +6,26 @@ a one-line ``SpecError`` naming the file and the field. It imports no Ray, vLLM 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 import networkx as nx
 
-from hybridflow.data.keys import SOURCE_KEYS
 from hybridflow.graph.batching import batch_plan
-from hybridflow.graph.ops import OPS
-from hybridflow.spec.graph import GraphSpec, ModelSpec, NodeSpec
+from hybridflow.graph.ops import OPS, SOURCE_WRITES, Op
+from hybridflow.spec.graph import GraphSpec, ModelSpec, NodeBase
 from hybridflow.spec.layout import ParallelLayout
 from hybridflow.spec.loading import SpecError, load_graph_spec, load_pools, resolve_relative
 from hybridflow.spec.pool import PoolSpec
 
-SOURCE = "<data>"  # pseudo-node that produces SOURCE_KEYS
+SOURCE = "<data>"  # pseudo-node that produces the data source's keys (``ops.SOURCE_WRITES``)
 
 
 @dataclass(frozen=True)
 class Node:
-    """A node with its keys resolved (defaults filled in from the op)."""
+    """A node with its keys resolved (defaults filled in from the op) and its op's slots filled:
+    ``slots[name]`` is the node's key of that kind, or None for an optional one it lacks."""
 
     name: str
     op: str
@@ -33,7 +33,8 @@ class Node:
     role: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    spec: NodeSpec
+    spec: NodeBase
+    slots: Mapping[str, str | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,22 @@ class Graph:
     pools: dict[str, PoolSpec]
     placement: dict[str, str]  # model name -> pool name
     layouts: dict[str, ParallelLayout]  # model name -> training layout with dp resolved
+    ops: dict[str, Op]  # the records of the ops the nodes run (they travel with the graph)
 
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
+
+    def op(self, node: Node) -> Op:
+        return self.ops[node.op]
+
+    def dispatch_layout(self, node: Node) -> ParallelLayout:
+        """The layout a node's batch is split over: the actor's generation layout for an op
+        that generates (tp = pp = 1: every rank a replica), else the model's training layout
+        (one chunk per data-parallel rank, shared by its tensor/pipeline peers)."""
+        if self.op(node).generates:
+            gen = self.spec.models[node.model].rollout.layout
+            return gen.resolve(self.pools[self.placement[node.model]].num_devices)
+        return self.layouts[node.model]
 
     def producers(self, node: Node) -> dict[str, str]:
         """Input key -> producing node name (``SOURCE`` for the data source)."""
@@ -79,26 +93,57 @@ def _resolve_nodes(spec: GraphSpec, file: str) -> list[Node]:
             raise SpecError(
                 file, f"{where}.model", f"unknown model {node.model!r}; expected one of {sorted(spec.models)}"
             )
-        info = OPS[node.op]
-        if model.role not in info.roles:
-            raise SpecError(
-                file,
-                f"{where}.op",
-                f"a {model.role} cannot {node.op} (model {node.model!r}); "
-                f"{node.op} runs on {sorted(info.roles)}",
-            )
-        if node.op == "generate" and model.rollout is None:
-            raise SpecError(
-                file, f"models.{node.model}.rollout", "an actor that generates needs rollout settings"
-            )
-        inputs = tuple(node.inputs) if node.inputs is not None else info.default_inputs(model.role)
-        outputs = tuple(node.outputs) if node.outputs is not None else info.default_outputs(model.role)
-        nodes.append(Node(node.name, node.op, node.model, model.role, inputs, outputs, node))
+        nodes.append(resolve_node(node, model, file, where, fill_slots=False))
     return nodes
 
 
+def resolve_node(
+    node: NodeBase, model: ModelSpec, file: str = "<graph>", where: str = "node", fill_slots: bool = True
+) -> Node:
+    """``node`` (on ``model``) with its default keys filled in and (``fill_slots``) its op's
+    slots filled; a role that cannot run the op, or keys that do not fill its slots, raise
+    ``SpecError``."""
+    op = OPS[node.op]
+    if model.role not in op.roles:
+        raise SpecError(
+            file,
+            f"{where}.op",
+            f"a {model.role} cannot {node.op} (model {node.model!r}); "
+            f"{node.op} runs on {sorted(op.roles)}",
+        )
+    if op.generates and model.rollout is None:
+        raise SpecError(
+            file, f"models.{node.model}.rollout", "an actor that generates needs rollout settings"
+        )
+    keys = {
+        "inputs": tuple(node.inputs) if node.inputs is not None else op.default_inputs(model.role),
+        "outputs": tuple(node.outputs) if node.outputs is not None else op.default_outputs(model.role),
+    }
+    resolved = Node(node.name, node.op, node.model, model.role, keys["inputs"], keys["outputs"], node)
+    return _fill_slots(resolved, file, where) if fill_slots else resolved
+
+
+def _fill_slots(node: Node, file: str, where: str) -> Node:
+    """``node`` with ``slots`` filled from its keys (after the DAG is built, so that a key
+    nobody produces is reported as such first)."""
+    slots = {}
+    for slot_name, slot in OPS[node.op].slots_for(node.role).items():
+        keys = getattr(node, slot.side)
+        found = [key for key in keys if key in slot.keys]
+        if len(found) > 1 or (slot.required and not found):
+            expected = "at most one" if len(found) > 1 else "one"
+            raise SpecError(
+                file,
+                f"{where}.{slot.side}",
+                f"{node.op} node {node.name!r} needs {expected} {slot.what} "
+                f"({' or '.join(slot.keys)}) among its {slot.side} {list(keys)}",
+            )
+        slots[slot_name] = found[0] if found else None
+    return replace(node, slots=slots)
+
+
 def _build_dag(nodes: list[Node], file: str) -> nx.DiGraph:
-    producer: dict[str, str] = {key: SOURCE for key in SOURCE_KEYS}
+    producer: dict[str, str] = {key: SOURCE for key in SOURCE_WRITES}
     for i, node in enumerate(nodes):
         for key in node.outputs:
             if key in producer:
@@ -134,8 +179,9 @@ def _build_dag(nodes: list[Node], file: str) -> nx.DiGraph:
 
 def samples_per_prompt(spec: GraphSpec, node: Node, inputs: int) -> int:
     """Samples per prompt in ``node``'s outputs, given its inputs' (the same for all of them): a
-    generate node makes ``rollout.n`` (1 when greedy); every other op keeps its inputs' count."""
-    if node.op == "generate":
+    node that generates makes ``rollout.n`` (1 when greedy); every other op keeps its inputs'
+    count."""
+    if OPS[node.op].generates:
         return 1 if node.spec.options.greedy else spec.models[node.model].rollout.n
     return inputs
 
@@ -239,6 +285,7 @@ def build_graph(
         raise SpecError(file, "models", f"one actor per graph, found {actors}")
     nodes = _resolve_nodes(spec, file)
     dag = _build_dag(nodes, file)
+    nodes = [_fill_slots(node, file, f"nodes[{i}]") for i, node in enumerate(nodes)]
     _check_samples_per_prompt(spec, nodes, dag, file)
     order = [n for n in nx.topological_sort(dag) if n != SOURCE]
     by_name = {n.name: n for n in nodes}
@@ -254,6 +301,7 @@ def build_graph(
         pools=pools,
         placement=placement,
         layouts=layouts,
+        ops={op: OPS[op] for op in dict.fromkeys(n.op for n in nodes)},
     )
     if spec.placement == "auto" and planner is not None:
         placement, pools = planner(graph)

@@ -5,6 +5,7 @@ Every setting has its default here and nowhere else. Models are frozen once load
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -316,6 +317,10 @@ NodeSpec = Annotated[
     Union[GenerateNode, LogProbNode, ValuesNode, ScoreNode, AdvantageNode, UpdateNode],
     Field(discriminator="op"),
 ]
+# op name -> its node model; `graph.ops.register_op` adds the node model of a new op.
+_NODE_TYPES: dict[str, type[NodeBase]] = {
+    typing.get_args(cls.model_fields["op"].annotation)[0]: cls for cls in typing.get_args(typing.get_args(NodeSpec)[0])
+}
 
 
 # -- data and trainer -------------------------------------------------------------------------
@@ -405,3 +410,22 @@ class GraphSpec(Spec):
 
 ModelSource.model_rebuild()
 UpdateOptions.model_rebuild()
+
+
+def node_types() -> dict[str, type[NodeBase]]:
+    """The ops a graph file may name, each with its node model (``op`` literal and options)."""
+    return dict(_NODE_TYPES)
+
+
+def set_node_types(types: dict[str, type[NodeBase]]) -> None:
+    """Make ``types`` the ops graph files may name: the node union of ``GraphSpec.nodes`` is
+    rebuilt from them (``graph.ops.register_op`` adds an op's node model this way)."""
+    for op, cls in types.items():
+        literal = typing.get_args(cls.model_fields["op"].annotation)
+        if not (issubclass(cls, NodeBase) and literal == (op,)):
+            raise TypeError(f"{cls.__name__} must be a NodeBase with op: Literal[{op!r}]")
+    _NODE_TYPES.clear()
+    _NODE_TYPES.update(types)
+    union = Annotated[Union[tuple(types.values())], Field(discriminator="op")]
+    GraphSpec.model_fields["nodes"].annotation = list[union]
+    GraphSpec.model_rebuild(force=True)

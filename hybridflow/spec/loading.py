@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from hybridflow.spec.graph import GraphSpec
+from hybridflow.spec.graph import GraphSpec, node_types
 from hybridflow.spec.pool import PoolsFile
 
 M = TypeVar("M", bound=BaseModel)
@@ -92,7 +92,7 @@ def _field_path(loc: tuple) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("generate", "log_prob", "values", "score", "advantage", "update"):
+        elif part in node_types():
             continue  # discriminated-union tag, not a field the user wrote
         else:
             out += f".{part}" if out else str(part)

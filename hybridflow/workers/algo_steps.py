@@ -1,9 +1,11 @@
 """The algorithm side of the worker ops: which batch fields feed which estimator or loss.
 
-``ModelWorker`` calls these from its ``advantage`` and ``update`` methods; the math itself is in
-``hybridflow.algos``. Graph keys decide the fields: an advantage node reading ``costs`` and
+``ModelWorker`` calls these from its ``advantage`` and ``update_*`` bodies; the math itself is
+in ``hybridflow.algos``. Graph keys decide the fields: an advantage node reading ``costs`` and
 ``cost_values`` and writing ``cost_advantages`` runs the same estimator as one reading
-``scores`` and ``values`` and writing ``advantages``, on the cost fields.
+``scores`` and ``values`` and writing ``advantages``, on the cost fields. Which key fills which
+role is the op record's ``slots`` (``hybridflow.graph.ops``), checked when the graph is
+validated; ``graph_keys()`` gives each key's batch fields.
 
 Batch-wide statistics (whitening, ``scope: batch``, the mean cost of the Lagrangian, the
 critic's explained variance) are taken over the whole rollout batch: the small per-sample fields
@@ -33,23 +35,15 @@ from hybridflow.algos import (
 )
 from hybridflow.data import keys as K
 from hybridflow.data.batch import place_sequence_reward
+from hybridflow.graph.dag import Node
+from hybridflow.graph.ops import graph_keys
 from hybridflow.spec.graph import AdvantageOptions, GraphSpec, UpdateOptions
 
-# graph key of a sequence-level signal -> its batch field
-SCORE_KEYS = {"scores": K.SCORES, "costs": K.COSTS}
-VALUE_KEYS = {"values": K.VALUES, "cost_values": K.COST_VALUES}
-ADVANTAGE_KEYS = {"advantages": (K.ADVANTAGES, K.RETURNS), "cost_advantages": (K.COST_ADVANTAGES, K.COST_RETURNS)}
 
-
-def _pick(keys: list[str], table: dict, what: str, where: str, required: bool = True):
-    found = [table[k] for k in keys if k in table]
-    if len(found) > 1:
-        raise ValueError(f"{where}: more than one {what} among inputs {keys}")
-    if not found:
-        if required:
-            raise ValueError(f"{where}: needs one {what} ({' or '.join(table)}) among inputs {keys}")
-        return None
-    return found[0]
+def _fields(node: Node, slot: str) -> tuple[str, ...] | None:
+    """The batch fields of the node's key in ``slot`` (None: an optional slot it left empty)."""
+    key = node.slots[slot]
+    return None if key is None else graph_keys()[key]
 
 
 def all_gather_rows(fields: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], slice]:
@@ -95,30 +89,25 @@ def build_controllers(spec: GraphSpec, models: list[str]) -> dict[str, Any]:
 
 
 def compute_advantages(
-    batch: TensorDict,
-    options: dict[str, Any],
-    node: str,
-    inputs: list[str],
-    outputs: list[str],
-    state: dict[str, Any],
+    batch: TensorDict, node: Node, state: dict[str, Any]
 ) -> tuple[TensorDict, dict[str, float]]:
-    """Run the node's estimator on the whole batch; returns this rank's rows and metrics."""
-    opts = AdvantageOptions(**options)
-    where = f"advantage node {node!r}"
-    score_field = _pick(inputs, SCORE_KEYS, "score key", where)
-    values_field = _pick(inputs, VALUE_KEYS, "values key", where, required=False)
-    out_fields = _pick(outputs, ADVANTAGE_KEYS, "advantage key", where)
+    """Run the advantage node's estimator on the whole batch; returns this rank's rows and
+    metrics."""
+    opts: AdvantageOptions = node.spec.options
+    score_field = _fields(node, "score")[0]
+    values_field = _fields(node, "values")
+    out_fields = _fields(node, "advantages")
     fields = {"scores": batch[score_field].float(), "response_mask": batch[K.RESPONSE_MASK]}
     if K.UID in batch.keys():
         fields["uid"] = batch[K.UID]
     if values_field is not None:
-        fields["values"] = batch[values_field]
-    if "baseline_scores" in inputs:
+        fields["values"] = batch[values_field[0]]
+    if "baseline_scores" in node.inputs:
         fields["baseline_scores"] = batch[K.BASELINE_SCORES].float()
     if opts.kl_coef > 0:
-        missing = [k for k in ("old_log_probs", "ref_log_probs") if k not in inputs]
+        missing = [k for k in ("old_log_probs", "ref_log_probs") if k not in node.inputs]
         if missing:
-            raise ValueError(f"{where}: kl_coef > 0 (KL in the reward) needs inputs {missing}")
+            raise ValueError(f"advantage node {node.name!r}: kl_coef > 0 (KL in the reward) needs inputs {missing}")
         fields["old_log_probs"] = batch[K.OLD_LOG_PROBS]
         fields["ref_log_probs"] = batch[K.REF_LOG_PROBS]
     fields, own = all_gather_rows(fields)
@@ -128,7 +117,7 @@ def compute_advantages(
     prefix = "cost_" if out_fields[0] == K.COST_ADVANTAGES else ""
     metrics: dict[str, float] = {}
     if opts.kl_coef > 0:
-        controller = state[f"kl_ctrl/{node}"]
+        controller = state[f"kl_ctrl/{node.name}"]
         kl = kl_penalty(fields.pop("old_log_probs"), fields.pop("ref_log_probs"), opts.kl_estimator)
         kl = kl * mask
         token_rewards = token_rewards - controller.value * kl
@@ -173,11 +162,9 @@ def apply_safety(
     }
 
 
-def critic_fields(inputs: list[str], where: str) -> tuple[str, str]:
-    """(old values field, returns field) of a critic update from its input keys."""
-    values_field = _pick(inputs, VALUE_KEYS, "values key", where)
-    returns_field = _pick(inputs, ADVANTAGE_KEYS, "advantage key", where)[1]
-    return values_field, returns_field
+def critic_fields(node: Node) -> tuple[str, str]:
+    """(old values field, returns field) of a critic update node."""
+    return _fields(node, "values")[0], _fields(node, "advantages")[1]
 
 
 def critic_loss(opts: UpdateOptions, values_field: str, returns_field: str):

@@ -1,13 +1,17 @@
 """The worker that runs graph ops: one process per device, holding every model placed on its pool.
 
-Colocated models (e.g. actor + ref + a rule reward) share this process and its gloo group. Each
-op is a registered method with its transfer protocol; the controller never calls them directly.
+Colocated models (e.g. actor + ref + a rule reward) share this process and its gloo group. The
+worker holds the validated ``Graph``; the controller runs a node with ``run_op(batch, node=name)``
+and the node's op record (``hybridflow.graph.ops``) names the method that is its body:
+``body(self, batch, node) -> (TensorDict, meta)``. A new op's body is a method of this class or
+of a subclass.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,9 +27,9 @@ from hybridflow.engines.models import build_causal_lm, build_value_model
 from hybridflow.engines.torch_engine import TorchTrainEngine
 from hybridflow.hybrid_engine.consistency import ConsistencyStats, check_consistency
 from hybridflow.hybrid_engine.sync import ReshardedSync, is_sharded, sync_weights
+from hybridflow.graph.dag import Graph, Node
 from hybridflow.rewards.remote import RewardSources
-from hybridflow.spec.graph import GraphSpec, UpdateOptions
-from hybridflow.spec.layout import ParallelLayout
+from hybridflow.spec.graph import Spec, UpdateOptions
 from hybridflow.workers import algo_steps
 from hybridflow.workers.base import Worker
 from hybridflow.workers.colocation import Colocation
@@ -55,16 +59,16 @@ class ModelWorker(Worker):
         master_port: int,
         threads: int,
         *,
-        graph_spec: GraphSpec,
+        graph: Graph,
         models: list[str],
-        layouts: dict[str, ParallelLayout],
         tokenizer_dir: str,
         total_steps: int,
     ) -> None:
         super().__init__(rank, world_size, master_addr, master_port, threads)
         from transformers import AutoTokenizer
 
-        self.spec = graph_spec
+        self.graph = graph
+        self.spec = graph_spec = graph.spec
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
         seed = graph_spec.trainer.seed
         self.train_engines: dict[str, TorchTrainEngine] = {}
@@ -86,7 +90,7 @@ class ModelWorker(Worker):
                 seed=seed,
                 dtype=model_spec.train.dtype,
             )
-            engine_spec = model_spec.train.model_copy(update={"layout": layouts[name]})
+            engine_spec = model_spec.train.model_copy(update={"layout": graph.layouts[name]})
             kind = "value" if value_head else "policy"
             if engine_spec.engine == "megatron":
                 # Imported here: megatron-core loads only where a graph asks for it. The engine
@@ -150,8 +154,25 @@ class ModelWorker(Worker):
     # -- ops ----------------------------------------------------------------------------------
 
     @register(Dispatch.DP_SPLIT)
-    def generate(self, batch: TensorDict, *, model: str, greedy: bool) -> tuple[TensorDict, dict]:
-        rollout = self.spec.models[model].rollout
+    def run_op(self, batch: TensorDict, *, node: str, options: Spec | None = None) -> tuple[TensorDict, dict]:
+        """Run graph node ``node`` on this rank's part of its batch, through the method its op
+        record names. ``options``: this call's options when they differ from the node's in the
+        graph (validation generates greedily)."""
+        resolved = self.graph.node(node)
+        if options is not None:
+            resolved = replace(resolved, spec=resolved.spec.model_copy(update={"options": options}))
+        self.colocation.activate(resolved.model)  # the idle models' state goes to CPU memory
+        body = getattr(self, self.graph.op(resolved).method_for(resolved.role))
+        return body(batch, resolved)
+
+    def _temperature(self) -> float:
+        """The actor's sampling temperature: forwards score the responses under it."""
+        rollout = self.spec.models[self.graph.actor].rollout
+        return rollout.temperature if rollout is not None else 1.0
+
+    def generate(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
+        rollout = self.spec.models[node.model].rollout
+        greedy = node.spec.options.greedy
         params = SamplingParams(
             n=1 if greedy else rollout.n,
             temperature=rollout.temperature,
@@ -160,7 +181,7 @@ class ModelWorker(Worker):
             max_new_tokens=self.spec.data.max_response_length,
             greedy=greedy,
         )
-        out = self.rollout_engines[model].generate(batch, params)
+        out = self.rollout_engines[node.model].generate(batch, params)
         response_mask = out[K.RESPONSE_MASK]
         lengths = response_mask.sum(-1).float()
         metrics = {
@@ -169,21 +190,16 @@ class ModelWorker(Worker):
         }
         return out, {"metrics": metrics, "sums": {"rollout/num_tokens": float(response_mask.sum())}}
 
-    @register(Dispatch.DP_SPLIT, text=False)
-    def log_prob(
-        self, batch: TensorDict, *, model: str, output_key: str, temperature: float
-    ) -> tuple[TensorDict, dict]:
-        out = self.train_engines[model].forward(batch, temperature)
-        result = TensorDict({output_key: out["log_probs"]}, batch_size=batch.batch_size)
+    def log_prob(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
+        out = self.train_engines[node.model].forward(batch, self._temperature())
+        result = TensorDict({node.outputs[0]: out["log_probs"]}, batch_size=batch.batch_size)
         metrics = {}
-        if self.spec.models[model].role == "actor":
+        if node.role == "actor":  # the policy's entropy; a reference model's is not reported
             metrics["actor/entropy"] = float(masked_mean(out["entropy"], batch[K.RESPONSE_MASK]))
         return result, {"metrics": metrics}
 
-    @register(Dispatch.DP_SPLIT)
-    def score(
-        self, batch: TensorDict, *, model: str, options: dict[str, Any], output_key: str = K.SCORES
-    ) -> tuple[TensorDict, dict]:
+    def score(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
+        model, output_key = node.model, node.outputs[0]
         # "reward" / "cost"; a second score of the same model (ReMax's baseline) by its key
         role = self.spec.models[model].role
         prefix = role if output_key in (K.SCORES, K.COSTS) else output_key
@@ -196,7 +212,7 @@ class ModelWorker(Worker):
                 batch.get(K.PROMPT_TEXT).tolist(),
                 responses,
                 batch.get(K.GROUND_TRUTH).tolist(),
-                **options,
+                **node.spec.options.model_dump(),  # the ScoreOptions fields are the scorer's keywords
             )
             scores = scored.scores
             for name, values in scored.components.items():
@@ -236,80 +252,65 @@ class ModelWorker(Worker):
             for r, text in zip(rows, responses)
         ]
 
-    @register(Dispatch.DP_SPLIT, text=False)
-    def compute_values(self, batch: TensorDict, *, model: str, output_key: str) -> tuple[TensorDict, dict]:
-        values = self.train_engines[model].forward(batch)[K.VALUES]
-        result = TensorDict({output_key: values}, batch_size=batch.batch_size)
-        metrics = {f"{model}/values_mean": float(masked_mean(values, batch[K.RESPONSE_MASK]))}
+    def compute_values(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
+        values = self.train_engines[node.model].forward(batch)[K.VALUES]
+        result = TensorDict({node.outputs[0]: values}, batch_size=batch.batch_size)
+        metrics = {f"{node.model}/values_mean": float(masked_mean(values, batch[K.RESPONSE_MASK]))}
         return result, {"metrics": metrics}
 
-    @register(Dispatch.DP_SPLIT, text=False)
-    def advantage(
-        self,
-        batch: TensorDict,
-        *,
-        options: dict[str, Any],
-        node: str = "advantage",
-        inputs: list[str] = ("responses", "scores"),
-        outputs: list[str] = ("advantages",),
-    ) -> tuple[TensorDict, dict]:
-        result, metrics = algo_steps.compute_advantages(
-            batch, options, node, list(inputs), list(outputs), self.extra_state
+    def advantage(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
+        result, metrics = algo_steps.compute_advantages(batch, node, self.extra_state)
+        return result, {"metrics": metrics}
+
+    def update_critic(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
+        opts: UpdateOptions = node.spec.options
+        values_field, returns_field = algo_steps.critic_fields(node)
+        loss_fn = algo_steps.critic_loss(opts, values_field, returns_field)
+        metrics = self._train(batch, node, loss_fn)
+        metrics[f"{node.model}/explained_var"] = algo_steps.critic_explained_variance(
+            batch, values_field, returns_field
         )
-        return result, {"metrics": metrics}
+        return TensorDict({}, batch_size=batch.batch_size), {"metrics": metrics}
 
-    @register(Dispatch.DP_SPLIT, text=False)
-    def update(
-        self,
-        batch: TensorDict,
-        *,
-        model: str,
-        options: dict[str, Any],
-        temperature: float,
-        node: str = "update_actor",
-        inputs: list[str] = (),
-    ) -> tuple[TensorDict, dict]:
-        opts = UpdateOptions(**options)
-        engine = self.train_engines[model]
-        role = self.spec.models[model].role
+    def update_policy(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
+        """The actor's update; then its rollout engine takes the new weights."""
+        opts: UpdateOptions = node.spec.options
+        model = node.model
         extra: dict[str, float] = {}
-        rollout_stats: ConsistencyStats | None = None
-        if role == "critic":
-            values_field, returns_field = algo_steps.critic_fields(list(inputs), f"update node {node!r}")
-            loss_fn = algo_steps.critic_loss(opts, values_field, returns_field)
-            extra[f"{model}/explained_var"] = algo_steps.critic_explained_variance(
-                batch, values_field, returns_field
-            )
-        else:
-            if opts.safety is not None:
-                extra.update(algo_steps.apply_safety(batch, opts, self.extra_state[f"lagrange/{node}"]))
-            rollout_stats = ConsistencyStats()
-            loss_fn = self._policy_loss(opts, rollout_stats)
-        if self._inject_nonfinite_updates.get(model, 0) > 0:
-            self._inject_nonfinite_updates[model] -= 1
-            loss_fn = _poisoned(loss_fn)
-        steps = []
-        for _ in range(opts.epochs):
-            for mini_batch in batch.chunk(opts.mini_batches):
-                steps.append(engine.train_step(mini_batch, loss_fn, temperature))
-                if rollout_stats is not None:
-                    rollout_stats.frozen = True  # later forwards come after an optimizer step
-        prefix = "actor" if role == "actor" else model
-        metrics = {f"{prefix}/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        if opts.safety is not None:
+            extra.update(algo_steps.apply_safety(batch, opts, self.extra_state[f"lagrange/{node.name}"]))
+        rollout_stats = ConsistencyStats()
+        metrics = self._train(batch, node, self._policy_loss(opts, rollout_stats), rollout_stats)
         metrics.update(extra)
-        if rollout_stats is not None:
-            # Same numbers on every rank (reduced over the DP group): all ranks stop together.
-            consistency = rollout_stats.reduce(engine.process_group)
-            metrics.update({f"{prefix}/{k}": v for k, v in consistency.items()})
-            rollout = self.spec.models[model].rollout
-            if rollout is not None:
-                check_consistency(consistency, rollout.log_prob_tolerance, model=model, engine=rollout.engine)
+        # Same numbers on every rank (reduced over the DP group): all ranks stop together.
+        consistency = rollout_stats.reduce(self.train_engines[model].process_group)
+        metrics.update({f"actor/{k}": v for k, v in consistency.items()})
+        rollout = self.spec.models[model].rollout
+        if rollout is not None:
+            check_consistency(consistency, rollout.log_prob_tolerance, model=model, engine=rollout.engine)
         if model in self.rollout_engines:
             if self._inject_stale_syncs.get(model, 0) > 0:
                 self._inject_stale_syncs[model] -= 1
             else:
                 metrics.update(self._sync_rollout(model))
         return TensorDict({}, batch_size=batch.batch_size), {"metrics": metrics}
+
+    def _train(self, batch: TensorDict, node: Node, loss_fn, rollout_stats: ConsistencyStats | None = None) -> dict[str, float]:
+        """``epochs`` passes of ``mini_batches`` optimizer steps; the steps' metrics averaged,
+        under ``actor/`` for the actor and ``<model>/`` otherwise."""
+        opts: UpdateOptions = node.spec.options
+        engine = self.train_engines[node.model]
+        if self._inject_nonfinite_updates.get(node.model, 0) > 0:
+            self._inject_nonfinite_updates[node.model] -= 1
+            loss_fn = _poisoned(loss_fn)
+        steps = []
+        for _ in range(opts.epochs):
+            for mini_batch in batch.chunk(opts.mini_batches):
+                steps.append(engine.train_step(mini_batch, loss_fn, self._temperature()))
+                if rollout_stats is not None:
+                    rollout_stats.frozen = True  # later forwards come after an optimizer step
+        prefix = "actor" if node.role == "actor" else node.model
+        return {f"{prefix}/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
 
     @register(Dispatch.ONE_TO_ALL)
     def save_hf(self, *, model: str, path: str) -> None:
