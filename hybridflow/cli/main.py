@@ -9,6 +9,7 @@
     hybridflow schema [graph|pool] [--out-dir DIR]
     hybridflow docs [--check]
     hybridflow plot RUN_DIR [RUN_DIR ...] [--out FILE.png]
+    hybridflow eval graphs/grpo_smollm2.yaml [--actor RUN_DIR] [--k 8] [--json FILE]
 
 A user mistake (bad file, field, override or data row) prints one line naming the file and the
 field and exits with code 2. Heavy packages (Ray, engines) load only for ``run``.
@@ -75,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 = any free port (printed)")
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20)
+
+    from hybridflow.cli import eval as eval_cli  # its own module: hybridflow eval
+
+    eval_cli.add_parser(sub)
     return parser
 
 
@@ -209,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "docs": _cmd_docs,
         "plot": _cmd_plot,
         "serve-reward": _cmd_serve_reward,
-    }[args.command]
+    }.get(args.command) or args.func
     try:
         return command(args)
     except SpecError as exc:

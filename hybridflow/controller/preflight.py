@@ -9,6 +9,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from hybridflow.graph.dag import Graph
+from hybridflow.rewards.remote import score_function_paths
 from hybridflow.rewards.rule import load_rule
 from hybridflow.spec.loading import SpecError
 
@@ -42,13 +43,51 @@ def check_engines_installed(graph: Graph) -> None:
                     raise SpecError(graph.file, field, f"{engine!r} needs {module}, which is not installed: {how}")
 
 
+def _source_field(name: str, source) -> str:
+    kind = next(k for k in ("path", "gguf", "package") if getattr(source, k) is not None)
+    return f"models.{name}.source.{kind}"
+
+
+def resolved_model_dir(graph: Graph, name: str) -> Path:
+    """The HF directory of a pretrained model of the graph; a GGUF source is converted here,
+    on the controller, once (workers then find the converted copy in the cache)."""
+    from hybridflow.engines.models import ModelSourceError, model_dir
+
+    source = graph.spec.models[name].source
+    try:
+        return Path(model_dir(source))
+    except ModelSourceError as exc:
+        raise SpecError(graph.file, _source_field(name, source), str(exc)) from None
+
+
+def run_tokenizer(graph: Graph):
+    """The run's tokenizer: the actor's own (pretrained source), else the built-in task's."""
+    from hybridflow.data.tasks import TASKS
+
+    actor = graph.spec.models[graph.actor]
+    if actor.source.is_pretrained:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(resolved_model_dir(graph, graph.actor), local_files_only=True)
+    source = graph.spec.data.source
+    task = source.removeprefix("builtin:") if source.startswith("builtin:") else "copy"
+    if task not in TASKS:
+        raise SpecError(
+            graph.file, f"models.{graph.actor}.source",
+            f"data.source {source!r} needs a pretrained actor (path, gguf or package) for its "
+            "tokenizer; a config-built model has only the character tasks' tokenizers",
+        )
+    return TASKS[task].tokenizer()
+
+
 def check_model_paths(graph: Graph) -> None:
-    """Every ``source.path`` is a directory holding a readable HF ``config.json``."""
+    """Every pretrained source names a directory holding a readable HF ``config.json`` (a GGUF
+    file is converted to one first)."""
     for name, model in graph.spec.models.items():
-        if model.source.path is None:
+        if not model.source.is_pretrained:
             continue
-        field = f"models.{name}.source.path"
-        path = Path(model.source.path)
+        field = _source_field(name, model.source)
+        path = resolved_model_dir(graph, name)
         if not path.is_dir():
             raise SpecError(graph.file, field, f"model directory {str(path)!r} not found")
         config = path / "config.json"
@@ -65,6 +104,10 @@ def check_inputs(graph: Graph, tokenizer) -> None:
     for name, model in graph.spec.models.items():
         source = model.source
         rules = [(f"models.{name}.source.rule", source.rule)] if source.rule else []
+        rules += [
+            (f"models.{name}.source.compute_score", path)
+            for _, path, _ in score_function_paths(source)
+        ]
         if source.remote is not None:
             rules += [
                 (f"models.{name}.source.remote.components[{i}].rule", c.rule)
@@ -76,8 +119,8 @@ def check_inputs(graph: Graph, tokenizer) -> None:
                 load_rule(rule)
             except ValueError as exc:
                 raise SpecError(graph.file, field, str(exc)) from None
-        if source.path is not None and model.role in LM_ROLES:
-            _check_tokenizer_fits(graph.file, f"models.{name}.source.path", Path(source.path), tokenizer)
+        if source.is_pretrained and model.role in LM_ROLES:
+            _check_tokenizer_fits(graph.file, _source_field(name, source), resolved_model_dir(graph, name), tokenizer)
 
 
 def _check_tokenizer_fits(file: str, field: str, path: Path, tokenizer) -> None:

@@ -27,10 +27,9 @@ from hybridflow.controller.checkpoint import (
     truncate_metrics,
 )
 from hybridflow.controller.executor import IterationResult, chrome_trace, run_nodes
-from hybridflow.controller.preflight import check_engines_installed, check_inputs, check_model_paths
+from hybridflow.controller.preflight import check_engines_installed, check_inputs, check_model_paths, run_tokenizer
 from hybridflow.controller.loggers import RunLoggers
-from hybridflow.data.datasets import DataError, PromptDataset, collate_prompts, load_prompt_rows
-from hybridflow.data.tasks import get_task
+from hybridflow.data.datasets import DataError, PromptDataset, collate_prompts, load_data
 from hybridflow.graph.batching import batch_plan
 from hybridflow.graph.dag import SOURCE, Graph, Node
 from hybridflow.hybrid_engine.consistency import RolloutMismatchError
@@ -179,11 +178,8 @@ class Trainer:
         check_model_paths(self.graph)
         tokenizer = self._tokenizer()
         check_inputs(self.graph, tokenizer)
-        base_dir = str(Path(self.graph.file).resolve().parent) if Path(self.graph.file).is_file() else "."
         try:
-            train_rows, val_rows = load_prompt_rows(
-                spec.data.source, base_dir, spec.data.num_train, spec.data.num_val, spec.data.seed
-            )
+            train_rows, val_rows = load_data(spec.data, self.graph.file)
             self.dataset = PromptDataset(
                 train_rows,
                 tokenizer,
@@ -191,14 +187,16 @@ class Trainer:
                 spec.data.prompts_per_iteration,
                 spec.data.shuffle,
                 spec.data.seed,
+                system_prompt=spec.data.system_prompt,
             )
             actor_ranks = self.graph.pools[self.graph.placement[self.graph.actor]].num_devices
             val_rows = val_rows[: len(val_rows) // actor_ranks * actor_ranks]
             self.val_prompts = (
-                collate_prompts(val_rows, tokenizer, spec.data.max_prompt_length) if val_rows else None
+                collate_prompts(val_rows, tokenizer, spec.data.max_prompt_length,
+                                system_prompt=spec.data.system_prompt) if val_rows else None
             )
         except DataError as exc:
-            raise SpecError(self.graph.file, "data.source", str(exc)) from None
+            raise SpecError(self.graph.file, exc.field, str(exc)) from None
         metrics_file = self.run_dir / "metrics.jsonl"
         if self.resume and not self.run_dir.is_dir():
             raise SpecError(self.run_dir, "", "--resume: run directory not found")
@@ -389,14 +387,7 @@ class Trainer:
         return ShardedRef(refs=[ray.put(batch)], sizes=[batch.batch_size[0]])
 
     def _tokenizer(self):
-        actor = self.spec.models[self.graph.actor]
-        if actor.source.path is not None:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(actor.source.path, local_files_only=True)
-        source = self.spec.data.source
-        task = source.removeprefix("builtin:") if source.startswith("builtin:") else "copy"
-        return get_task(task).tokenizer()
+        return run_tokenizer(self.graph)
 
     def _total_optimizer_steps(self) -> int:
         updates = [n for n in self.graph.nodes if n.op == "update"]

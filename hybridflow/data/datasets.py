@@ -1,17 +1,36 @@
 """Prompt sources and the prompt batches the controller feeds to the graph each iteration.
 
-``load_prompt_rows`` turns ``data.source`` into train and validation rows; ``PromptDataset``
-serves the train rows as fixed-size batches, epoch after epoch, with a resumable position;
-``collate_prompts`` turns any list of rows into one batch (train and validation share it).
+``load_data`` turns a graph's ``data`` section into train and validation rows: a built-in
+task (``data.source: builtin:NAME``), or local files read with HF ``datasets``
+(``data.train_files`` / ``data.val_files``, or the older ``data.source: FILE.jsonl``).
+``PromptDataset`` serves the train rows as fixed-size batches, epoch after epoch, with a
+resumable position; ``collate_prompts`` turns any list of rows into one batch (train and
+validation share it).
+
+A file is parquet (``.parquet``) or JSON lines (``.jsonl`` / ``.json``), one prompt a row, in
+verl's schema or the short one::
+
+    {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "..."}],
+     "ability": "math", "reward_model": {"style": "rule", "ground_truth": "72"},
+     "extra_info": {...}}
+    {"prompt": "raw text", "ground_truth": "72"}
+
+A row is ``{"prompt", "ground_truth", "data_source", "extra_info", "origin"}``; ``origin`` is
+``FILE:LINE`` (JSONL) or ``FILE:row N`` (parquet, 0-based) for error messages. A prompt given
+as chat messages is rendered with the tokenizer's chat template (``add_generation_prompt``; a
+``system_prompt`` is put first when the messages have no system message); a string prompt is
+tokenized as it is. The rendered ids are exactly what the rollout starts from.
 
 A batch is a ``TensorDict`` with batch size ``[B]`` holding the ``prompts`` fields of
 ``hybridflow.data.keys``::
 
     PROMPT_IDS    (B, P) int64  left-padded with the pad id; P = longest prompt in the batch
-    PROMPT_MASK   (B, P) int64  1 on real prompt tokens
+    PROMPT_MASK   (B, P) int64  1 on real prompt tokens (a pad id inside a prompt is real)
     UID           (B,)   int64  distinct per prompt (a running counter)
-    PROMPT_TEXT   (B,)   str    NonTensorStack: one string per sample
+    PROMPT_TEXT   (B,)   str    NonTensorStack: the rendered prompt text
     GROUND_TRUTH  (B,)   str    NonTensorStack: one string per sample ("" when unknown)
+    DATA_SOURCE   (B,)   str    NonTensorStack: the row's data_source ("" when unknown)
+    EXTRA_INFO    (B,)   str    NonTensorStack: the row's extra_info as JSON
 
 The strings are stored with ``NonTensorStack.from_list`` so indexing, ``torch.cat`` and pickling
 keep one string per sample. (``td.set_non_tensor(key, list)`` would store the whole list as a
@@ -24,6 +43,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from numbers import Real
+from pathlib import Path
 
 import torch
 from tensordict import NonTensorStack, TensorDict
@@ -33,32 +54,79 @@ from hybridflow.data import keys
 from hybridflow.data.tasks import TASKS
 
 BUILTIN_PREFIX = "builtin:"
-ORIGIN = "origin"  # optional row field: where the row came from, for error messages
+ORIGIN = "origin"  # row field: where the row came from, for error messages
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class DataError(ValueError):
-    """Bad prompt data; the message is one line naming the file/row and what was expected."""
+    """Bad prompt data; the message is one line naming the file/row and what was expected.
+    ``field`` is the graph-file field that named the data."""
+
+    def __init__(self, message: str, field: str = "data.source"):
+        super().__init__(message)
+        self.field = field
+
+
+def _builtin_makers() -> dict:
+    from hybridflow.data.arith_words import make_problems
+
+    return {"arith_words": make_problems}
 
 
 # -- loading rows -----------------------------------------------------------------------------
 
 
+def load_data(data, graph_file: str | Path | None, all_val_files: bool = False) -> tuple[list[dict], list[dict]]:
+    """Train and validation rows of a ``DataSpec``.
+
+    ``val_files`` give the validation rows (the first ``data.num_val``, or all of them with
+    ``all_val_files``); else the last ``num_val`` rows of ``train_files`` or of a JSONL
+    ``data.source``, or the built-in task's prompts made after its train prompts. File paths
+    are taken from the current directory, else from the graph file's directory.
+    """
+    from hybridflow.spec.loading import resolve_relative
+
+    def read(field: str, files) -> list[dict]:
+        rows = []
+        for path in [files] if isinstance(files, str) else files:
+            rows += read_rows(str(resolve_relative(path, graph_file)), field)
+        return rows
+
+    base_dir = str(Path(graph_file).resolve().parent) if graph_file and Path(graph_file).is_file() else "."
+    num_val = 0 if data.val_files is not None else data.num_val
+    if data.train_files is not None:
+        train = read("data.train_files", data.train_files)
+        keep = min(num_val, len(train) - 1)
+        train, val = train[: len(train) - keep], train[len(train) - keep :]
+    else:
+        train, val = load_prompt_rows(data.source, base_dir, data.num_train, num_val, data.seed)
+    if data.val_files is not None:
+        val = read("data.val_files", data.val_files)
+        val = val if all_val_files else val[: data.num_val]
+    return train, val
+
+
 def load_prompt_rows(
     source: str, base_dir: str, num_train: int, num_val: int, seed: int
 ) -> tuple[list[dict], list[dict]]:
-    """Train and validation rows ``{"prompt": str, "ground_truth": str, "origin": str}``.
+    """Train and validation rows of ``data.source``.
 
     ``"builtin:NAME"`` makes ``num_train + num_val`` distinct prompts of the built-in task from
     ``seed`` (the first ``num_train`` train, the rest validation, so the splits are disjoint).
-    Anything else is a JSONL file (relative paths against ``base_dir``) of
-    ``{"prompt": str, "ground_truth": str}`` rows, ``ground_truth`` optional; its last
-    ``num_val`` rows are the validation split, fewer if that would leave no train row.
-    ``num_train`` only applies to built-in tasks. Blank lines and extra fields are ignored.
+    Anything else is a JSONL file (relative paths against ``base_dir``) of rows (module
+    docstring); its last ``num_val`` rows are the validation split, fewer if that would leave
+    no train row. ``num_train`` only applies to built-in tasks.
     """
     if source.startswith(BUILTIN_PREFIX):
         rows = _builtin_rows(source, num_train + num_val, seed)
         return rows[:num_train], rows[num_train:]
-    rows = _jsonl_rows(source, base_dir)
+    path = source if os.path.isabs(source) else os.path.join(base_dir, source)
+    if not os.path.isfile(path):
+        raise DataError(
+            f"{path}: no such prompt file (data.source {source!r}, "
+            f'expected "builtin:NAME" or a JSONL file)'
+        )
+    rows = read_rows(path, "data.source")
     num_val = min(num_val, len(rows) - 1)
     split = len(rows) - num_val
     return rows[:split], rows[split:]
@@ -66,10 +134,14 @@ def load_prompt_rows(
 
 def _builtin_rows(source: str, num: int, seed: int) -> list[dict]:
     name = source[len(BUILTIN_PREFIX) :]
+    makers = _builtin_makers()
+    if name in makers:
+        raw = makers[name](num, seed)
+        return [_row(r, f"{source} prompt {i}", "data.source") for i, r in enumerate(raw)]
     if name not in TASKS:
         raise DataError(
             f"data.source {source!r}: unknown built-in task {name!r}, "
-            f"expected one of {sorted(TASKS)}"
+            f"expected one of {sorted([*TASKS, *makers])}"
         )
     task = TASKS[name]
     if num > task.num_distinct_prompts:
@@ -81,61 +153,172 @@ def _builtin_rows(source: str, num: int, seed: int) -> list[dict]:
     return [{**row, ORIGIN: f"{source} prompt {i}"} for i, row in enumerate(rows)]
 
 
-def _jsonl_rows(source: str, base_dir: str) -> list[dict]:
-    path = source if os.path.isabs(source) else os.path.join(base_dir, source)
+def read_rows(path: str, field: str = "data.train_files") -> list[dict]:
+    """The rows of one parquet or JSONL file, read with HF ``datasets`` and checked row by row."""
     if not os.path.isfile(path):
-        raise DataError(
-            f"{path}: no such prompt file (data.source {source!r}, "
-            f'expected "builtin:NAME" or a JSONL file)'
-        )
+        raise DataError(f"{path}: no such data file ({field})", field)
+    if path.endswith(".parquet"):
+        raw = _read_with_datasets(path, "parquet", field)
+        wheres = [f"{path}:row {i}" for i in range(len(raw))]
+    elif path.endswith((".jsonl", ".json")):
+        raw, wheres = _read_jsonl(path, field)
+    else:
+        raise DataError(f"{path}: expected a .parquet, .jsonl or .json file ({field})", field)
+    if not raw:
+        raise DataError(f"{path}: expected at least one row, found none", field)
+    return [_row(obj, where, field) for obj, where in zip(raw, wheres)]
+
+
+def _quiet(datasets) -> None:
+    # Progress bars and its own log lines for a file it cannot read: our DataError says it.
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+
+
+def _read_with_datasets(path: str, kind: str, field: str) -> list[dict]:
+    import datasets
+
+    _quiet(datasets)
+    try:
+        loaded = getattr(datasets.Dataset, f"from_{kind}")(path, keep_in_memory=True)
+    except Exception as exc:  # pyarrow raises several kinds for a broken file
+        raise DataError(f"{path}: cannot read as {kind} ({type(exc).__name__}: {str(exc)[:200]})", field) from None
+    return loaded.to_list()
+
+
+def _read_jsonl(path: str, field: str) -> tuple[list[dict], list[str]]:
+    """JSONL rows and their ``FILE:LINE`` origins. Read with ``datasets``; where pyarrow
+    cannot (a broken line, or a column whose type changes between rows), each line is parsed
+    on its own, so a bad line is named and mixed types still load."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read prompt file as UTF-8 text ({e})") from None
-
-    rows = []
-    for line_no, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{line_no}"
+        raise DataError(f"{path}: cannot read prompt file as UTF-8 text ({e})", field) from None
+    numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
+    wheres = [f"{path}:{n}" for n, _ in numbered]
+    parsed = []
+    for n, line in numbered:
         try:
-            obj = json.loads(line)
+            parsed.append(json.loads(line))
         except json.JSONDecodeError as e:
-            raise DataError(f"{where}: expected valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-            raise DataError(f'{where}: expected a JSON object with a string "prompt"')
-        if not obj["prompt"]:
-            raise DataError(f'{where}: expected a non-empty "prompt"')
-        ground_truth = obj.get("ground_truth")
-        if ground_truth is None:
-            ground_truth = ""
-        if not isinstance(ground_truth, str):
-            raise DataError(f'{where}: expected "ground_truth" to be a string')
-        rows.append({"prompt": obj["prompt"], "ground_truth": ground_truth, ORIGIN: where})
-    if not rows:
-        raise DataError(f"{path}: expected at least one JSON row, found none")
-    return rows
+            raise DataError(f"{path}:{n}: expected valid JSON ({e.msg} at column {e.colno})", field) from None
+        if not isinstance(parsed[-1], dict):
+            raise DataError(f"{path}:{n}: expected a JSON object", field)
+    if not parsed:
+        return [], []
+    try:
+        import datasets
+
+        _quiet(datasets)
+        rows = datasets.Dataset.from_json(path, keep_in_memory=True).to_list()
+    except Exception:  # types that differ between rows: the plain parse above is the data
+        rows = parsed
+    if len(rows) != len(parsed):
+        rows = parsed
+    # pyarrow fills a key missing from a row with None; the plain parse says what was written.
+    return [{k: v for k, v in row.items() if k in own} for row, own in zip(rows, parsed)], wheres
+
+
+def _row(obj: dict, where: str, field: str) -> dict:
+    """One checked row (module docstring) of a raw verl or short-schema record."""
+    prompt = obj.get("prompt")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise DataError(f'{where}: prompt: expected a non-empty string', field)
+    elif isinstance(prompt, list) and prompt:
+        for i, message in enumerate(prompt):
+            if not isinstance(message, dict):
+                raise DataError(f"{where}: prompt[{i}]: expected a {{role, content}} message", field)
+            if message.get("role") not in ROLES:
+                raise DataError(
+                    f"{where}: prompt[{i}].role: expected one of {', '.join(ROLES)}, got {message.get('role')!r}",
+                    field,
+                )
+            if not isinstance(message.get("content"), str):
+                raise DataError(f"{where}: prompt[{i}].content: expected a string", field)
+        prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    else:
+        raise DataError(
+            f'{where}: prompt: expected a string or a list of {{role, content}} messages', field
+        )
+    reward_model = obj.get("reward_model")
+    if reward_model is not None:
+        if not isinstance(reward_model, dict):
+            raise DataError(f"{where}: reward_model: expected an object with ground_truth", field)
+        truth, truth_field = reward_model.get("ground_truth"), "reward_model.ground_truth"
+    else:
+        truth, truth_field = obj.get("ground_truth"), "ground_truth"
+    if truth is None:
+        truth = ""
+    elif isinstance(truth, Real) and not isinstance(truth, bool):
+        truth = str(truth)
+    elif not isinstance(truth, str):
+        raise DataError(f"{where}: {truth_field}: expected a string or a number", field)
+    data_source = obj.get("data_source") or ""
+    if not isinstance(data_source, str):
+        raise DataError(f"{where}: data_source: expected a string", field)
+    extra_info = obj.get("extra_info")
+    try:
+        extra_json = json.dumps(extra_info)
+    except (TypeError, ValueError):
+        raise DataError(f"{where}: extra_info: expected JSON-serialisable data", field) from None
+    return {
+        "prompt": prompt,
+        "ground_truth": truth,
+        "data_source": data_source,
+        "extra_info": extra_json,
+        ORIGIN: where,
+    }
 
 
 # -- batches ----------------------------------------------------------------------------------
 
 
+def render_prompt(row: dict, tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None) -> tuple[str, list[int]]:
+    """A row's prompt as text and token ids: chat messages through the tokenizer's chat
+    template with ``add_generation_prompt`` (``system_prompt`` first unless the messages start
+    with a system message); a string as it is, no special tokens added."""
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        return prompt, list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(
+            f"{row.get(ORIGIN, 'a prompt row')}: prompt: chat messages need a tokenizer with a chat "
+            "template; this one has none (give string prompts)"
+        )
+    messages = list(prompt)
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return text, list(ids)
+
+
 def encode_prompts(
-    rows: Sequence[dict], tokenizer: PreTrainedTokenizerBase, max_prompt_length: int
-) -> list[list[int]]:
-    """Token ids of each row's prompt (no special tokens added); ``DataError`` if one is empty
-    or longer than ``max_prompt_length``, naming the row."""
-    texts = [row["prompt"] for row in rows]
-    all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    for i, (row, ids) in enumerate(zip(rows, all_ids)):
+    rows: Sequence[dict],
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int,
+    system_prompt: str | None = None,
+) -> list[tuple[str, list[int]]]:
+    """Rendered text and token ids of each row's prompt (``render_prompt``); ``DataError`` if
+    one is empty or longer than ``max_prompt_length``, naming the row."""
+    rendered = [render_prompt(row, tokenizer, system_prompt) for row in rows]
+    for i, (row, (_, ids)) in enumerate(zip(rows, rendered)):
         if not 1 <= len(ids) <= max_prompt_length:
             where = row.get(ORIGIN, f"prompt row {i}")
+            prompt = row["prompt"]
+            shown = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+            if len(shown) > 60:
+                shown = shown[:57] + "..."
+            what = "" if isinstance(prompt, str) else " after the chat template"
             raise DataError(
-                f"{where}: prompt {row['prompt']!r} is {len(ids)} tokens, expected 1 to "
+                f"{where}: prompt {shown!r} is {len(ids)} tokens{what}, expected 1 to "
                 f"data.max_prompt_length = {max_prompt_length}"
             )
-    return [list(ids) for ids in all_ids]
+    return rendered
 
 
 def collate_prompts(
@@ -143,14 +326,15 @@ def collate_prompts(
     tokenizer: PreTrainedTokenizerBase,
     max_prompt_length: int,
     uid_start: int = 0,
+    system_prompt: str | None = None,
 ) -> TensorDict:
     """One prompt batch (module docstring) of ``rows``, uids ``uid_start, uid_start + 1, ...``.
 
     Prompts are left-padded to the longest prompt **in this batch**, not to
     ``max_prompt_length``, which only bounds it.
     """
-    all_ids = encode_prompts(rows, tokenizer, max_prompt_length)
-    return _to_batch(rows, all_ids, _pad_id(tokenizer), uid_start)
+    rendered = encode_prompts(rows, tokenizer, max_prompt_length, system_prompt)
+    return _to_batch(rows, rendered, _pad_id(tokenizer), uid_start)
 
 
 def validation_batches(
@@ -158,12 +342,13 @@ def validation_batches(
     tokenizer: PreTrainedTokenizerBase,
     max_prompt_length: int,
     chunk_size: int | None = None,
+    system_prompt: str | None = None,
 ) -> list[TensorDict]:
     """The validation rows as batches of at most ``chunk_size`` prompts (None: one batch),
     uids ``0 .. len(rows) - 1`` across them; no batch for no rows."""
     chunk_size = chunk_size or max(len(rows), 1)
     return [
-        collate_prompts(rows[start : start + chunk_size], tokenizer, max_prompt_length, start)
+        collate_prompts(rows[start : start + chunk_size], tokenizer, max_prompt_length, start, system_prompt)
         for start in range(0, len(rows), chunk_size)
     ]
 
@@ -175,9 +360,10 @@ def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def _to_batch(
-    rows: Sequence[dict], all_ids: Sequence[Sequence[int]], pad_id: int, uid_start: int
+    rows: Sequence[dict], rendered: Sequence[tuple[str, Sequence[int]]], pad_id: int, uid_start: int
 ) -> TensorDict:
-    assert rows and len(rows) == len(all_ids), "a batch needs one id list per row"
+    assert rows and len(rows) == len(rendered), "a batch needs one id list per row"
+    all_ids = [ids for _, ids in rendered]
     num_prompts = len(rows)
     prompt_length = max(len(ids) for ids in all_ids)
     prompt_ids = torch.full((num_prompts, prompt_length), pad_id, dtype=torch.int64)
@@ -190,10 +376,12 @@ def _to_batch(
             keys.PROMPT_IDS: prompt_ids,
             keys.PROMPT_MASK: prompt_mask,
             keys.UID: torch.arange(uid_start, uid_start + num_prompts, dtype=torch.int64),
-            keys.PROMPT_TEXT: NonTensorStack.from_list([row["prompt"] for row in rows]),
+            keys.PROMPT_TEXT: NonTensorStack.from_list([text for text, _ in rendered]),
             keys.GROUND_TRUTH: NonTensorStack.from_list(
                 [row.get("ground_truth", "") for row in rows]
             ),
+            keys.DATA_SOURCE: NonTensorStack.from_list([row.get("data_source", "") for row in rows]),
+            keys.EXTRA_INFO: NonTensorStack.from_list([row.get("extra_info", "null") for row in rows]),
         },
         batch_size=[num_prompts],
     )
@@ -218,13 +406,14 @@ class PromptDataset:
         prompts_per_iteration: int,
         shuffle: bool = True,
         seed: int = 0,
+        system_prompt: str | None = None,
     ) -> None:
         if not rows:
             raise DataError("no training prompts, expected at least one row")
         if prompts_per_iteration < 1:
             raise ValueError(f"prompts_per_iteration must be >= 1, got {prompts_per_iteration}")
         self._rows = list(rows)
-        self._ids = encode_prompts(self._rows, tokenizer, max_prompt_length)
+        self._rendered = encode_prompts(self._rows, tokenizer, max_prompt_length, system_prompt)
         self._pad_id = _pad_id(tokenizer)
         self.prompts_per_iteration = prompts_per_iteration
         self.shuffle = shuffle
@@ -255,7 +444,7 @@ class PromptDataset:
             picked.extend(self._order[self.position : self.position + take])
             self.position += take
         rows = [self._rows[i] for i in picked]
-        batch = _to_batch(rows, [self._ids[i] for i in picked], self._pad_id, self.next_uid)
+        batch = _to_batch(rows, [self._rendered[i] for i in picked], self._pad_id, self.next_uid)
         self.next_uid += len(picked)
         return batch
 

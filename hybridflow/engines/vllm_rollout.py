@@ -81,6 +81,16 @@ def check_head_size(model_dir: str, on_cpu: bool) -> None:
         )
 
 
+def kv_cache_bytes_for(config: Any, num_sequences: int, max_model_len: int, floor: int = 64 << 20) -> int:
+    """KV-cache bytes (float32) that hold ``num_sequences`` sequences of ``max_model_len``
+    tokens at once, so one generate call of that many samples runs as one batch; at least
+    ``floor``."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * 4
+    return max(floor, num_sequences * max_model_len * per_token)
+
+
 def _retie_and_repack(worker: Any) -> int:
     """Runs inside vLLM's worker: re-tie a tied lm_head to the embedding and re-pack it.
 

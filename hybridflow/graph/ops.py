@@ -88,7 +88,7 @@ VALUE_KEYS = ("values", "cost_values")
 ADVANTAGE_KEYS = ("advantages", "cost_advantages")
 
 # What the data source writes before any node runs.
-SOURCE_WRITES = {"prompts": (K.PROMPT_IDS, K.PROMPT_MASK, K.UID, K.PROMPT_TEXT, K.GROUND_TRUTH)}
+SOURCE_WRITES = {"prompts": (K.PROMPT_IDS, K.PROMPT_MASK, K.UID, K.PROMPT_TEXT, K.GROUND_TRUTH, K.DATA_SOURCE, K.EXTRA_INFO)}
 _ROLLOUT = (K.RESPONSES, K.RESPONSE_MASK, K.INPUT_IDS, K.ATTENTION_MASK, K.POSITION_IDS, K.TRUNCATED)
 
 OPS: dict[str, Op] = {}

@@ -27,7 +27,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from hybridflow.rewards.rule import RewardError, load_rule, score_texts_guarded
+from hybridflow.rewards.pool import ScorePool
+from hybridflow.rewards.rule import RewardError, load_rule, score_items, score_texts_guarded
 from hybridflow.spec.graph import ModelSource, RemoteRewardSpec
 
 # A component's (B,) scores ride in the batch as "<score key>/<name>", e.g. "scores/copy".
@@ -229,28 +230,92 @@ def aggregate(components: dict[str, torch.Tensor], weights: dict[str, float], mo
 @dataclass
 class ScoreResult:
     scores: torch.Tensor  # (B,) float32
-    components: dict[str, torch.Tensor]  # name -> (B,) float32; empty for a single rule
+    components: dict[str, torch.Tensor]  # name -> (B,) float32; empty for a single source
     num_errors: int  # samples (per component) that got the default reward
     num_retries: int = 0
+    # Other numeric keys of compute_score dicts: "<component>/<key>" (or "<key>") -> (B,)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+DEFAULT_COMPUTE_SCORE = "hybridflow.rewards.default:compute_score"
+
+
+def row_fields(batch) -> dict[str, list]:
+    """``data_sources`` and ``extra_infos`` (decoded) of a batch, for ``RewardSources.score``."""
+    from hybridflow.data import keys as K
+
+    present = batch.keys()
+    fields = {}
+    if K.DATA_SOURCE in present:
+        fields["data_sources"] = batch.get(K.DATA_SOURCE).tolist()
+    if K.EXTRA_INFO in present:
+        fields["extra_infos"] = [json.loads(text) for text in batch.get(K.EXTRA_INFO).tolist()]
+    return fields
+
+
+def _function_path(name: str) -> str:
+    return DEFAULT_COMPUTE_SCORE if name == "default" else name
+
+
+def score_function_paths(source: ModelSource) -> list[tuple[str, str, float]]:
+    """``(metric name, 'module:function', weight)`` of each compute_score function of a source."""
+    spec = source.compute_score
+    if spec is None:
+        return []
+    if isinstance(spec, str):
+        return [("score", _function_path(spec), 1.0)]
+    return [
+        (f.name or _function_path(f.function).rpartition(":")[2], _function_path(f.function), f.weight)
+        for f in spec
+    ]
 
 
 class RewardSources:
-    """A reward/cost model's scorer: one rule (``source.rule``) or several aggregated sources."""
+    """A reward/cost model's scorer: one rule (``source.rule``), verl-style ``compute_score``
+    function(s), or several aggregated remote/rule sources.
+
+    Local calls (rules and compute_score) run in a ``ScorePool`` of ``num_workers`` processes
+    (``rewards.pool``; the score node's ``options.num_workers``), or in this process when it
+    is 0. Several compute_score functions give the weighted sum of their scores, each kept as a
+    component.
+    """
 
     def __init__(self, source: ModelSource) -> None:
         self.spec: RemoteRewardSpec | None = source.remote
+        self.weights: dict[str, float] = {}
+        # name -> (where, kind, scorer): kind "rule" | "compute_score" | "remote"
+        self.sources: dict[str, tuple[str, str, object]] = {}
         if source.rule is not None:
-            self.sources = {"rule": (source.rule, load_rule(source.rule))}
-            return
-        self.sources = {}
-        for c in self.spec.components:
+            self.sources["rule"] = (source.rule, "rule", load_rule(source.rule))
+        for name, path, weight in score_function_paths(source):
+            self.sources[name] = (path, "compute_score", load_rule(path))
+            self.weights[name] = weight
+        for c in self.spec.components if self.spec is not None else ():
             if c.rule is not None:
-                self.sources[c.name] = (c.rule, load_rule(c.rule))
+                self.sources[c.name] = (c.rule, "rule", load_rule(c.rule))
             else:
-                self.sources[c.name] = (c.url, RemoteScorer(
+                self.sources[c.name] = (c.url, "remote", RemoteScorer(
                     c.url, self.spec.timeout_s, self.spec.retries, self.spec.backoff_s,
                     self.spec.max_request_bytes, self.spec.max_response_bytes,
                 ))
+            self.weights[c.name] = c.weight
+        self.single = len(self.sources) == 1 and self.spec is None
+        self._pool: ScorePool | None = None
+
+    def _pool_of(self, num_workers: int) -> ScorePool | None:
+        if num_workers == 0:
+            return None
+        if self._pool is None or self._pool.num_workers != num_workers:
+            self.close()
+            self._pool = ScorePool(num_workers)
+            for where, kind, _ in self.sources.values():
+                if kind != "remote":
+                    self._pool.warm(where)
+        return self._pool
+
+    def warm(self, num_workers: int) -> None:
+        """Start the pool processes (they import the scorers) while the caller does other work."""
+        self._pool_of(num_workers)
 
     def score(
         self,
@@ -261,28 +326,45 @@ class RewardSources:
         on_error: str,
         default_reward: float,
         timeout_s: float | None,
+        num_workers: int = 0,
+        data_sources: Sequence[str] | None = None,
+        extra_infos: Sequence[dict | None] | None = None,
     ) -> ScoreResult:
-        components, num_errors, num_retries = {}, 0, 0
-        for name, (where, scorer) in self.sources.items():
-            if isinstance(scorer, RemoteScorer):
+        num = len(prompts)
+        data_sources = list(data_sources) if data_sources is not None else [""] * num
+        extra_infos = list(extra_infos) if extra_infos is not None else [None] * num
+        pool = self._pool_of(num_workers)
+        components, extras, num_errors, num_retries = {}, {}, 0, 0
+        for name, (where, kind, scorer) in self.sources.items():
+            if kind == "remote":
                 before = scorer.num_retries
                 try:
                     values = torch.tensor(scorer.score(prompts, responses, ground_truths), dtype=torch.float32)
                 except RemoteRewardError as exc:
                     if on_error == "fail":
                         raise RewardError(f"reward {name}: {exc}") from None
-                    values = torch.full((len(prompts),), default_reward, dtype=torch.float32)
-                    num_errors += len(prompts)
+                    values = torch.full((num,), default_reward, dtype=torch.float32)
+                    num_errors += num
                 num_retries += scorer.num_retries - before
             else:
-                values, errors = score_texts_guarded(
-                    scorer, prompts, responses, ground_truths, on_error=on_error,
+                if kind == "rule":
+                    items = list(zip(prompts, responses, ground_truths))
+                else:
+                    items = list(zip(data_sources, responses, ground_truths, extra_infos))
+                values, errors, more = score_items(
+                    scorer if pool is None else where, items, pool, on_error=on_error,
                     default_reward=default_reward, timeout_s=timeout_s, name=where,
                 )
                 num_errors += errors
+                extras.update({(key if self.single else f"{name}/{key}"): v for key, v in more.items()})
             components[name] = values
-        if self.spec is None:
-            return ScoreResult(components["rule"], {}, num_errors, num_retries)
-        weights = {c.name: c.weight for c in self.spec.components}
-        scores = aggregate(components, weights, self.spec.aggregate)
-        return ScoreResult(scores, components, num_errors, num_retries)
+        if self.single:
+            return ScoreResult(next(iter(components.values())), {}, num_errors, num_retries, extras)
+        mode = self.spec.aggregate if self.spec is not None else "weighted_sum"
+        scores = aggregate(components, self.weights, mode)
+        return ScoreResult(scores, components, num_errors, num_retries, extras)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None

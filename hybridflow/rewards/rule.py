@@ -1,11 +1,13 @@
 """Rule-based scorers named ``module:function`` in a graph file.
 
-A rule scores one sample: ``fn(prompt: str, response: str, ground_truth: str) -> float``.
+A rule scores one sample: ``fn(prompt: str, response: str, ground_truth: str) -> float``; a
+verl-style ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` returns a
+float or a dict with ``score``.
 
-``score_texts_guarded`` is the robust variant the workers use: a rule call that raises, returns
-a non-finite or non-number value, or exceeds its time limit either stops the run
-(``RewardError``) or gives that sample the configured default reward and is counted, as the
-score node's ``options.on_error`` says.
+``score_items`` is the robust caller the workers use (in a process pool or in-process): a call
+that raises, returns a non-finite or non-number value, or exceeds its time limit either stops
+the run (``RewardError``) or gives that sample the configured default reward and is counted, as
+the score node's ``options.on_error`` says.
 """
 
 from __future__ import annotations
@@ -93,6 +95,70 @@ def _as_score(value: object) -> float:
     return value
 
 
+def as_score(value: object) -> tuple[float, dict[str, float]]:
+    """A scorer's return value as ``(score, other numeric keys)``: a number, or a verl-style
+    dict with a ``score`` number whose other number-valued keys are kept (for metrics)."""
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise TypeError(f"returned a dict without 'score' (keys {sorted(value)[:5]})")
+        extras = {
+            str(k): float(v) for k, v in value.items()
+            if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
+        return _as_score(value["score"]), extras
+    return _as_score(value), {}
+
+
+def score_items(
+    fn: RuleFn | str,
+    items: Sequence[tuple],
+    pool=None,
+    *,
+    on_error: str = "fail",
+    default_reward: float = 0.0,
+    timeout_s: float | None = None,
+    name: str = "rule",
+) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+    """``fn(*item)`` for every item: (B,) float32 scores, how many samples got
+    ``default_reward`` because scoring failed, and the other numeric keys of dict results
+    ((B,) each, 0 where a sample lacks the key).
+
+    With a ``pool`` (``rewards.pool.ScorePool``) ``fn`` is a ``module:function`` name and the
+    calls run in its processes; without, ``fn`` is called here (``call_with_timeout``).
+    """
+    if pool is not None:
+        outcomes = pool.call(fn, items, timeout_s)
+    else:
+        outcomes = []
+        for item in items:
+            try:
+                outcomes.append(("ok", call_with_timeout(lambda: fn(*item), timeout_s)))
+            except RewardTimeout:
+                outcomes.append(("timeout", ""))
+            except Exception as exc:  # the user's function: anything can come out of it
+                outcomes.append(("error", f"{type(exc).__name__}: {exc}"))
+    values, extras, num_errors = [], [], 0
+    for i, (status, value) in enumerate(outcomes):
+        if status == "ok":
+            try:
+                score, more = as_score(value)
+                values.append(score)
+                extras.append(more)
+                continue
+            except (TypeError, ValueError) as exc:
+                status, value = "error", f"{type(exc).__name__}: {exc}"
+        if on_error == "fail":
+            if status == "timeout":
+                raise RewardError(f"reward {name}: sample {i} took longer than timeout_s={timeout_s:g} s")
+            raise RewardError(f"reward {name}: sample {i}: {value}")
+        values.append(default_reward)
+        extras.append({})
+        num_errors += 1
+    keys = sorted({k for more in extras for k in more})
+    columns = {k: torch.tensor([more.get(k, 0.0) for more in extras], dtype=torch.float32) for k in keys}
+    return torch.tensor(values, dtype=torch.float32), num_errors, columns
+
+
 def score_texts_guarded(
     fn: RuleFn,
     prompts: Sequence[str],
@@ -104,21 +170,10 @@ def score_texts_guarded(
     timeout_s: float | None = None,
     name: str = "rule",
 ) -> tuple[torch.Tensor, int]:
-    """(B,) float32 scores and how many samples got ``default_reward`` because scoring failed."""
-    values, num_errors = [], 0
-    for i, (p, r, g) in enumerate(zip(prompts, responses, ground_truths)):
-        try:
-            values.append(_as_score(call_with_timeout(lambda: fn(p, r, g), timeout_s)))
-        except RewardTimeout:
-            if on_error == "fail":
-                raise RewardError(
-                    f"reward {name}: sample {i} took longer than timeout_s={timeout_s:g} s"
-                ) from None
-            values.append(default_reward)
-            num_errors += 1
-        except Exception as exc:  # the user's function: anything can come out of it
-            if on_error == "fail":
-                raise RewardError(f"reward {name}: sample {i}: {type(exc).__name__}: {exc}") from None
-            values.append(default_reward)
-            num_errors += 1
-    return torch.tensor(values, dtype=torch.float32), num_errors
+    """(B,) float32 scores of a rule called in this process, and how many samples got
+    ``default_reward`` because scoring failed."""
+    scores, num_errors, _ = score_items(
+        fn, list(zip(prompts, responses, ground_truths)), on_error=on_error,
+        default_reward=default_reward, timeout_s=timeout_s, name=name,
+    )
+    return scores, num_errors

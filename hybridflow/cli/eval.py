@@ -1,0 +1,245 @@
+"""``hybridflow eval``: greedy accuracy and pass@k of an actor on a graph's validation split.
+
+    hybridflow eval GRAPH [key.path=value ...] [--actor DIR] [--k K] [--samples N]
+                          [--limit N] [--json FILE] [--engine hf|vllm]
+
+The actor is the graph's base actor (its ``source``), or ``--actor DIR``: a saved actor (the
+``actor/`` directory a run writes, or any HF directory) or a run directory (its ``actor/``).
+The prompts are the validation split of the graph's data (the built-in task's test prompts, or
+every row of ``data.val_files``; ``data.val_files=FILE`` as an override scores any file), in
+the graph's chat rendering. Each prompt gets one greedy response and ``--samples`` sampled ones
+(the actor's rollout temperature, top-p, top-k); every response is scored by the graph's reward
+(the model of its first score node, with that node's options), in the same process, without
+Ray. A response is correct when its score is at least ``--threshold`` (default 1.0).
+
+- ``greedy_accuracy``: correct greedy responses / prompts;
+- ``pass@k``: the unbiased estimate ``1 - C(n - c, k) / C(n, k)`` averaged over prompts, with
+  ``n`` samples of which ``c`` are correct (Chen et al. 2021), for every k up to ``--k``
+  printed as 1 and ``--k``;
+- ``mean_score`` (greedy), ``response_length`` and ``truncated_frac`` (greedy).
+
+Printed as a table; ``--json FILE`` writes the same numbers (and per-prompt results) as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+THRESHOLD = 1.0
+
+
+def add_parser(sub) -> None:
+    ev = sub.add_parser("eval", help="greedy accuracy and pass@k of an actor on the validation split")
+    ev.add_argument("graph", help="graph YAML file")
+    ev.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.val_files=test.parquet")
+    ev.add_argument("--actor", help="saved actor directory or run directory (default: the graph's actor source)")
+    ev.add_argument("--k", type=int, default=8, help="pass@k's k (default 8)")
+    ev.add_argument("--samples", type=int, help="sampled responses per prompt, >= k (default k)")
+    ev.add_argument("--limit", type=int, help="score only the first N prompts")
+    ev.add_argument("--threshold", type=float, default=THRESHOLD, help="score that counts as correct")
+    ev.add_argument("--engine", choices=["hf", "vllm"], help="rollout engine (default: the actor's)")
+    ev.add_argument("--json", dest="json_out", help="also write the results as JSON here")
+    ev.set_defaults(func=cmd_eval)
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k of one prompt: ``1 - C(n - c, k) / C(n, k)``."""
+    if num_samples - num_correct < k:
+        return 1.0
+    return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
+
+
+def _actor_dir(actor: str) -> Path:
+    from hybridflow.spec.loading import SpecError
+
+    path = Path(actor)
+    if (path / "actor" / "config.json").is_file():  # a run directory
+        path = path / "actor"
+    if not (path / "config.json").is_file():
+        raise SpecError(actor, "--actor", "expected a saved actor (HF directory with config.json) or a run directory")
+    return path
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from hybridflow.spec.loading import SpecError
+
+    samples = args.samples or args.k
+    if args.k < 1 or samples < args.k:
+        raise SpecError(args.graph, "--k", f"expected 1 <= k <= samples, got k={args.k}, samples={samples}")
+    results = evaluate(args.graph, args.overrides, args.actor, args.k, samples, args.limit,
+                       args.threshold, args.engine)
+    print(format_table(results))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {args.json_out}")
+    return 0
+
+
+def format_table(results: dict) -> str:
+    summary = results["summary"]
+    rows = [(key, f"{value:.4f}" if isinstance(value, float) else str(value)) for key, value in summary.items()]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{'metric':<{width}}  value", f"{'-' * width}  -----"]
+    lines += [f"{k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+def evaluate(
+    graph_file: str,
+    overrides: list[str],
+    actor: str | None,
+    k: int,
+    samples: int,
+    limit: int | None,
+    threshold: float = THRESHOLD,
+    engine: str | None = None,
+) -> dict:
+    """The eval's numbers (module docstring) as a dict: ``summary`` and per-prompt ``prompts``."""
+    import torch
+
+    from hybridflow.controller.preflight import check_model_paths, run_tokenizer
+    from hybridflow.data.datasets import DataError, collate_prompts, load_data
+    from hybridflow.graph.dag import load_graph
+    from hybridflow.rewards.remote import RewardSources, row_fields
+    from hybridflow.spec.loading import SpecError
+
+    graph = load_graph(graph_file, overrides)
+    spec = graph.spec
+    actor_name = graph.actor
+    actor_spec = spec.models[actor_name]
+    score_node = next((n for n in graph.nodes if n.op == "score"), None)
+    if score_node is None:
+        raise SpecError(graph.file, "nodes", "eval needs a score node to grade responses")
+    reward_spec = spec.models[score_node.model]
+    if not reward_spec.source.is_scorer:
+        raise SpecError(graph.file, f"models.{score_node.model}.source", "eval grades with a rule or compute_score reward")
+    check_model_paths(graph)
+    tokenizer = run_tokenizer(graph)
+    try:
+        _, rows = load_data(spec.data, graph.file, all_val_files=True)
+    except DataError as exc:
+        raise SpecError(graph.file, exc.field, str(exc)) from None
+    rows = rows[:limit] if limit else rows
+    if not rows:
+        raise SpecError(graph.file, "data.num_val", "no validation prompts to evaluate")
+    try:
+        prompts = collate_prompts(rows, tokenizer, spec.data.max_prompt_length,
+                                  system_prompt=spec.data.system_prompt)
+    except DataError as exc:
+        raise SpecError(graph.file, exc.field, str(exc)) from None
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    source = actor_spec.source
+    if actor is not None:
+        source = source.model_copy(update={"config": None, "path": str(_actor_dir(actor)), "gguf": None, "package": None})
+    rollout = actor_spec.rollout
+    engine = engine or (rollout.engine if rollout is not None else "hf")
+    generate = _generator(engine, source, tokenizer, spec)
+
+    from hybridflow.engines.base import SamplingParams
+
+    max_new = spec.data.max_response_length
+    greedy = generate(prompts, SamplingParams(n=1, max_new_tokens=max_new, greedy=True))
+    sampled = generate(prompts, SamplingParams(
+        n=samples, temperature=rollout.temperature if rollout else 1.0,
+        top_p=rollout.top_p if rollout else 1.0, top_k=rollout.top_k if rollout else 0,
+        max_new_tokens=max_new,
+    ))
+
+    scorer = RewardSources(reward_spec.source)
+    options = score_node.spec.options.model_dump()
+    try:
+        greedy_scores, greedy_texts = _score(scorer, greedy, tokenizer, options, row_fields)
+        sample_scores, _ = _score(scorer, sampled, tokenizer, options, row_fields)
+    finally:
+        scorer.close()
+
+    from hybridflow.data import keys as K
+
+    num = len(rows)
+    correct = (greedy_scores >= threshold).tolist()
+    sample_correct = (sample_scores >= threshold).view(num, samples).sum(-1).tolist()
+    lengths = greedy[K.RESPONSE_MASK].sum(-1).float()
+    summary = {
+        "prompts": num,
+        "greedy_accuracy": sum(correct) / num,
+        "greedy_mean_score": float(greedy_scores.mean()),
+        "pass@1": sum(pass_at_k(samples, c, 1) for c in sample_correct) / num,
+        f"pass@{k}": sum(pass_at_k(samples, c, k) for c in sample_correct) / num,
+        "samples_per_prompt": samples,
+        "response_length": float(lengths.mean()),
+        "truncated_frac": float(greedy[K.TRUNCATED].float().mean()),
+    }
+    per_prompt = [
+        {"origin": row["origin"], "ground_truth": row["ground_truth"], "greedy": text,
+         "greedy_score": float(score), "samples_correct": c}
+        for row, text, score, c in zip(rows, greedy_texts, greedy_scores.tolist(), sample_correct)
+    ]
+    return {
+        "graph": str(graph_file),
+        "overrides": list(overrides),
+        "actor": str(actor) if actor else "base",
+        "engine": engine,
+        "summary": summary,
+        "prompts": per_prompt,
+    }
+
+
+def _score(scorer, batch, tokenizer, options, row_fields):
+    from hybridflow.data import keys as K
+
+    texts = tokenizer.batch_decode(batch[K.RESPONSES] * batch[K.RESPONSE_MASK], skip_special_tokens=True)
+    result = scorer.score(
+        batch.get(K.PROMPT_TEXT).tolist(), texts, batch.get(K.GROUND_TRUTH).tolist(),
+        **options, **row_fields(batch),
+    )
+    return result.scores, texts
+
+
+def _generator(engine: str, source, tokenizer, spec):
+    """``generate(prompts, params) -> batch`` on one in-process rollout engine."""
+    from hybridflow.engines.models import build_causal_lm, model_dir
+
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if engine == "vllm":
+        from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, save_for_vllm
+
+        directory = model_dir(source)
+        scratch = None
+        if directory is None:  # a config-built model: write its weights for vLLM to start from
+            module = build_causal_lm(source, len(tokenizer), pad_id, eos_id, seed=spec.trainer.seed)
+            scratch = tempfile.mkdtemp(prefix="hybridflow-eval-")
+            directory = save_for_vllm(module, tokenizer, scratch)
+        try:
+            rollout = VLLMRolloutEngine(
+                directory, eos_id=eos_id, pad_id=pad_id,
+                max_model_len=spec.data.max_prompt_length + spec.data.max_response_length,
+                seed=spec.trainer.seed, kv_cache_bytes=256 << 20,
+            )
+        finally:
+            if scratch:
+                shutil.rmtree(scratch, ignore_errors=True)
+        return rollout.generate
+
+    from hybridflow.engines.hf_rollout import HFRolloutEngine
+
+    import torch
+
+    torch.manual_seed(spec.trainer.seed)
+    module = build_causal_lm(source, len(tokenizer), pad_id, eos_id, seed=spec.trainer.seed)
+    rollout = HFRolloutEngine(module, eos_id=eos_id, pad_id=pad_id)
+
+    def generate(prompts, params, chunk: int = 32):
+        import torch as _torch
+
+        parts = [rollout.generate(prompts[i : i + chunk], params) for i in range(0, prompts.batch_size[0], chunk)]
+        return _torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    return generate
