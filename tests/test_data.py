@@ -171,15 +171,15 @@ def test_jsonl_errors_are_one_line(tmp_path):
     with pytest.raises(DataError) as excinfo:
         load_prompt_rows("noprompt.jsonl", str(tmp_path), 1, 1, 0)
     assert _one_line_error(excinfo).endswith(
-        'noprompt.jsonl:3: expected a JSON object with a string "prompt"'
+        "noprompt.jsonl:3: prompt: expected a string or a list of {role, content} messages"
     )
 
     _write(tmp_path / "list.jsonl", ['["prompt"]'])
     with pytest.raises(DataError, match=r"list.jsonl:1: expected a JSON object"):
         load_prompt_rows("list.jsonl", str(tmp_path), 1, 1, 0)
 
-    _write(tmp_path / "truth.jsonl", ['{"prompt": "a", "ground_truth": 3}'])
-    with pytest.raises(DataError, match=r'truth.jsonl:1: expected "ground_truth" to be a string'):
+    _write(tmp_path / "truth.jsonl", ['{"prompt": "a", "ground_truth": [3]}'])
+    with pytest.raises(DataError, match=r"truth.jsonl:1: ground_truth: expected a string or a number"):
         load_prompt_rows("truth.jsonl", str(tmp_path), 1, 1, 0)
 
     _write(tmp_path / "empty.jsonl", [""])

@@ -6,7 +6,8 @@ Fenced blocks by language:
 - ``bash``: every command line runs in a scratch directory that links the repository's graphs,
   pools, examples and venv, in document order (a later command may read an earlier one's run
   directory). Runs are shrunk: ``iterations=N`` becomes ``iterations=2``, ``hybridflow run`` gets
-  small batch overrides and ``python examples/*.py`` gets ``--iterations 2``. A few commands are
+  small batch overrides, ``hybridflow eval`` scores 4 prompts at k = 2 and
+  ``python examples/*.py`` gets ``--iterations 2``. A few commands are
   exempt below, each with the reason and where it is exercised instead.
 - ``python``: run as a script in the same directory (``iterations=N`` shrunk the same way).
 - ``yaml``: a graph or pool file (``...`` items dropped) must validate against the JSON schema.
@@ -89,6 +90,8 @@ def shrink(command: str) -> str:
         return f"{command[:at]} {' '.join(SMALL_RUN)}{command[at:]}"
     if re.match(r"^python examples/", command) and "--iterations" not in command:
         return command + " --iterations 2"
+    if re.match(r"^\S*hybridflow eval\s", command):
+        return command + " --limit 4 --k 2"
     return command
 
 

@@ -112,7 +112,7 @@ def write_tiny_gguf(path, seed: int = 0):
     import gguf
 
     rng = np.random.default_rng(seed)
-    tokens = [chr(c) for c in range(33, 127)] + ["<|im_start|>", "<|im_end|>"]
+    tokens = [chr(c) for c in range(33, 127)] + ["ab", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab, hidden, ffn, heads, kv_heads, layers = len(tokens), 64, 96, 2, 1, 2
     head_dim = hidden // heads
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -127,8 +127,8 @@ def write_tiny_gguf(path, seed: int = 0):
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
-    writer.add_token_types([1] * (vocab - 2) + [3, 3])
-    writer.add_token_merges([])
+    writer.add_token_types([1] * (vocab - 3) + [3, 3, 3])
+    writer.add_token_merges(["a b"])
     writer.add_bos_token_id(vocab - 2)
     writer.add_eos_token_id(vocab - 1)
     writer.add_pad_token_id(vocab - 1)
@@ -181,6 +181,7 @@ def test_gguf_file_is_converted_once_and_loads(tmp_path, monkeypatch):
     assert torch.allclose(model(input_ids=ids).logits, direct(input_ids=ids).logits, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_gguf_conversion_is_safe_across_processes(tmp_path):
     """Two processes convert the same file at once: one converts, both get the same complete
     directory, nothing half-written is left."""

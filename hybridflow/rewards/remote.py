@@ -303,18 +303,14 @@ class RewardSources:
         self._pool: ScorePool | None = None
 
     def _pool_of(self, num_workers: int) -> ScorePool | None:
-        if num_workers == 0:
+        local = [where for where, kind, _ in self.sources.values() if kind != "remote"]
+        if num_workers == 0 or not local:
             return None
         if self._pool is None or self._pool.num_workers != num_workers:
             self.close()
-            local = [where for where, kind, _ in self.sources.values() if kind != "remote"]
             self._pool = ScorePool(num_workers, preload=local)
             self._pool.start()
         return self._pool
-
-    def warm(self, num_workers: int) -> None:
-        """Start the pool processes (they import the scorers) while the caller does other work."""
-        self._pool_of(num_workers)
 
     def score(
         self,
