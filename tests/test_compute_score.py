@@ -143,7 +143,7 @@ def test_pool_timeout_stops_a_hung_call_and_finds_it():
                                default_reward=-1.0, timeout_s=1.0, num_workers=2)
         assert result.scores.tolist() == [1.0, 1.0, -1.0, 1.0, 1.0, 1.0]
         assert result.num_errors == 1
-        assert time.perf_counter() - started < 30  # the hung call was killed, not waited for
+        assert time.perf_counter() - started < 600  # killed: the call itself would sleep an hour
         with pytest.raises(RewardError, match=r"sample 0 took longer than timeout_s=1 s"):
             sources.score(["p"], ["x"], [""], on_error="fail", default_reward=0.0, timeout_s=1.0, num_workers=2)
         # The pool still works after killing its processes.
