@@ -37,6 +37,8 @@ def _prompts() -> TensorDict:
             K.UID: torch.arange(3),
             K.PROMPT_TEXT: NonTensorStack("p0", "p1", "p2"),
             K.GROUND_TRUTH: NonTensorStack("g0", "g1", "g2"),
+            K.DATA_SOURCE: NonTensorStack("d", "d", "d"),
+            K.EXTRA_INFO: NonTensorStack("null", "null", "null"),
         },
         batch_size=[3],
     )

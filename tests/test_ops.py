@@ -35,7 +35,8 @@ def test_each_record_is_its_node_model_and_its_worker_method():
 
 def test_graph_keys_are_the_fields_their_producers_write():
     keys = graph_keys()
-    assert keys["prompts"] == (K.PROMPT_IDS, K.PROMPT_MASK, K.UID, K.PROMPT_TEXT, K.GROUND_TRUTH)
+    assert keys["prompts"] == (K.PROMPT_IDS, K.PROMPT_MASK, K.UID, K.PROMPT_TEXT, K.GROUND_TRUTH,
+                               K.DATA_SOURCE, K.EXTRA_INFO)
     assert keys["advantages"] == (K.ADVANTAGES, K.RETURNS)
     assert keys["cost_advantages"] == (K.COST_ADVANTAGES, K.COST_RETURNS)
     assert set(keys["greedy_responses"]) < set(keys["responses"])
