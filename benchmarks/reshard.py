@@ -68,7 +68,8 @@ def _megatron_engines(world: int, args: dict, layouts):
     for p, t, d in dict.fromkeys((p, t, d) for p, t, d, _, _ in layouts):
         spec = TrainEngineSpec(engine="megatron", layout=ParallelLayout(tp=t, pp=p, dp=d), micro_batch_size=1)
         engine = MegatronTrainEngine(copy.deepcopy(hf), spec)
-        yield (p, t, d), engine.train_shard, engine.shard_specs()
+        shard = engine.train_shard()
+        yield (p, t, d), shard.buffer, shard.specs
         del engine
         ps.destroy_model_parallel()
 

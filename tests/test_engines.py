@@ -289,3 +289,45 @@ def test_value_engine_forward_and_step():
 
     losses = [engine.train_step(batch, mse)["loss"] for _ in range(3)]
     assert losses[-1] < losses[0]
+
+
+# -- the registry and the contract --------------------------------------------------------------
+
+
+def test_engine_registries_hold_the_spec_names_and_import_lazily():
+    import subprocess
+    import sys
+    import typing
+
+    from hybridflow.engines.base import ROLLOUT_ENGINES, TRAIN_ENGINES, RolloutEngine, TrainEngine
+    from hybridflow.spec.graph import RolloutSpec
+
+    spec_names = {
+        TRAIN_ENGINES: TrainEngineSpec.model_fields["engine"].annotation,
+        ROLLOUT_ENGINES: RolloutSpec.model_fields["engine"].annotation,
+    }
+    for registry, literal in spec_names.items():
+        assert registry.names() == sorted(typing.get_args(literal))
+    assert TRAIN_ENGINES.get("torch") is TorchTrainEngine and issubclass(TorchTrainEngine, TrainEngine)
+    assert ROLLOUT_ENGINES.get("hf") is HFRolloutEngine and issubclass(HFRolloutEngine, RolloutEngine)
+    with pytest.raises(KeyError, match="unknown train engine 'jax'; known: megatron, torch"):
+        TRAIN_ENGINES.get("jax")
+    # Naming the torch and hf engines loads neither megatron-core nor vLLM.
+    code = (
+        "import sys; from hybridflow.engines.base import ROLLOUT_ENGINES, TRAIN_ENGINES; "
+        "TRAIN_ENGINES.get('torch'); ROLLOUT_ENGINES.get('hf'); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'vllm'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_torch_engine_contract_on_cpu():
+    engine = TorchTrainEngine.build(_model(), TrainEngineSpec(micro_batch_size=5), kind="policy", total_steps=1, seed=0)
+    assert engine.train_shard() is None and engine.dp_group is None  # full weights; default group
+    assert engine.offload() == 0 and engine.reload() == 0  # already on the CPU, its home
+    names = [name for name, _ in engine.named_weights()]
+    assert names == [name for name, _ in engine.module.named_parameters()]
+    state = engine.state_dict()
+    assert set(state) == {"model", "optimizer", "scheduler"}
+    engine.load_state_dict(state)

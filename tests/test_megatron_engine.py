@@ -121,7 +121,7 @@ def _check_equivalence(rank, world, port, tp, pp, tied, backend="gloo", arch="qw
     engine = MegatronTrainEngine(copy.deepcopy(hf), spec)
 
     # 0. The parameters are the views of one flat training shard, which holds nothing else.
-    flat = engine.train_shard.flat
+    flat = engine.train_shard().buffer.flat
     inside = [
         p for n, p in engine.gpt_model.named_parameters()
         if p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()

@@ -28,15 +28,16 @@ BIGGER = [f"models.{m}.source.config.{k}={v}" for m in ("actor", "ref")
           for k, v in (("hidden_size", 256), ("num_hidden_layers", 4))]
 
 def _engine(device: str):
-    """A real module and AdamW (with state after one step): what Colocation moves."""
+    """A real torch train engine with AdamW state (after one step): what Colocation moves."""
     import torch
-    from types import SimpleNamespace
 
-    module = torch.nn.Linear(64, 64).to(device)
-    optimizer = torch.optim.AdamW(module.parameters())
-    module(torch.ones(2, 64, device=device)).sum().backward()
-    optimizer.step()
-    return SimpleNamespace(module=module, optimizer=optimizer)
+    from hybridflow.engines.torch_engine import TorchTrainEngine
+    from hybridflow.spec.graph import TrainEngineSpec
+
+    engine = TorchTrainEngine(torch.nn.Linear(64, 64).to(device), TrainEngineSpec(remove_padding=False))
+    engine.module(torch.ones(2, 64, device=device)).sum().backward()
+    engine.optimizer.step()
+    return engine
 
 
 def _devices(engine) -> set[str]:

@@ -52,18 +52,19 @@ def _check(rank, world, port):
         ps.get_pipeline_model_parallel_rank(),
         ps.get_data_parallel_rank(),
     )
-    specs = engine.shard_specs()
+    shard = engine.train_shard()
+    specs = shard.specs
     full = resharding_full(hf.state_dict(), Dims.from_hf(hf.config), train.tp)
 
     # tg = 1: an HF model from the generation shards, taken straight from the engine's training
     # shard (its parameters' own storage: nothing packed)
     gen1 = GenerationLayout(train=train, tp=1, pp=1)
     for mode in ("zero_redundancy", "naive"):
-        shards, stats = reshard_to_generation(engine.train_shard, specs, gen1, build_groups(gen1), mode)
+        shards, stats = reshard_to_generation(shard.buffer, specs, gen1, build_groups(gen1), mode)
         assert stats.packed_bytes == 0
-        own = engine.train_shard.flat.untyped_storage().data_ptr()
+        own = shard.buffer.flat.untyped_storage().data_ptr()
         assert any(p.untyped_storage().data_ptr() == own for pieces in shards.values() for p in pieces)
-        state = dict(engine.generation_weights(shards, tp=1))
+        state = dict(shard.to_hf(shards, 1))
         model = copy.deepcopy(hf)
         with torch.no_grad():
             for p in model.parameters():
@@ -76,11 +77,11 @@ def _check(rank, world, port):
 
     # tg = 2: bitwise shards, then a 2-way megatron TP model built from them
     gen2 = GenerationLayout(train=train, tp=2, pp=1)
-    shards, stats = reshard_to_generation(engine.train_shard, specs, gen2, build_groups(gen2))
+    shards, stats = reshard_to_generation(shard.buffer, specs, gen2, build_groups(gen2))
     expected = reference_generation_shard(full, specs, gen2, rank)
     for name, tensor in expected.items():
         assert torch.equal(shards.tensor(name), tensor), name
-    hf_state = dict(engine.generation_weights(shards, tp=2))
+    hf_state = dict(shard.to_hf(shards, 2))
     shards.release()
     del engine
     ps.destroy_model_parallel()
@@ -137,7 +138,8 @@ def _check_grid(rank, world, port):
         )
         c = train.coords(rank)
         assert (c.tp_rank, c.pp_rank) == (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
-        specs = engine.shard_specs()
+        shard = engine.train_shard()
+        specs = shard.specs
         full = resharding_full(hf.state_dict(), dims, t)
         for pg in [k for k in range(1, p + 1) if p % k == 0]:
             for tg in [k for k in range(1, t + 1) if t % k == 0]:
@@ -145,7 +147,7 @@ def _check_grid(rank, world, port):
                 groups = build_groups(gen)
                 expected = reference_generation_shard(full, specs, gen, rank)
                 for mode in ("zero_redundancy", "naive"):
-                    shards, stats = reshard_to_generation(engine.train_shard, specs, gen, groups, mode)
+                    shards, stats = reshard_to_generation(shard.buffer, specs, gen, groups, mode)
                     assert stats.packed_bytes == 0
                     assert set(shards) == set(expected), (p, t, pg, tg, mode)
                     for name, tensor in expected.items():

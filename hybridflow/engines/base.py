@@ -1,19 +1,34 @@
-"""The two engine interfaces every backend implements.
+"""The two engine interfaces every backend implements, and the registry that builds them.
 
 A *train engine* holds a model shard under a training layout: forward passes for log-probs,
-entropy or values, and loss backward + optimizer step. A *rollout engine* generates. The
-3D-HybridEngine (``hybridflow.hybrid_engine``) moves the actor's weights from the first to the
-second every iteration. Batches are ``TensorDict``s using the keys in ``hybridflow.data.keys``.
+entropy or values, loss backward + optimizer step, its state for checkpoints, offload of its
+state while a colocated model runs, its data-parallel group, and its weights for the rollout
+engine (full HF-named tensors, or a sharded training buffer the resharder moves). A *rollout
+engine* generates. The 3D-HybridEngine (``hybridflow.hybrid_engine``) moves the actor's weights
+from the first to the second every iteration. Batches are ``TensorDict``s using the keys in
+``hybridflow.data.keys``.
+
+Engines come from ``TRAIN_ENGINES`` / ``ROLLOUT_ENGINES``, keyed by the graph file's
+``train.engine`` / ``rollout.engine``; an entry names its class as ``"module:Class"`` and is
+imported on first use, so megatron-core and vLLM load only in a process whose graph asks for
+them.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator
+import importlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
+
+from hybridflow.engines.shards import ShardSpec, TrainShardBuffer
+from hybridflow.spec.graph import TrainEngineSpec
+from hybridflow.spec.layout import ParallelLayout
 
 # loss_fn(micro_batch, forward_out) -> (loss summed over tokens / global normaliser, metrics)
 # forward_out holds "log_probs" (B, R) and "entropy" (B, R) for a policy, "values" (B, R) for a
@@ -37,8 +52,36 @@ class SamplingParams:
     greedy: bool = False
 
 
+ModelKind = Literal["policy", "value"]  # an LM head (log-probs, entropy) or a scalar head (values)
+
+
+@dataclass(frozen=True)
+class TrainShard:
+    """A train engine's weights as one flat tensor per rank, split over its model-parallel
+    ranks (megatron-core): what the resharder (``hybridflow.hybrid_engine.reshard``) gathers
+    into generation shards.
+
+    ``to_hf(shards, tp)``: the HF-named tensors of a generation shard (``shards``: name -> its
+    TP pieces, as the resharder returns them for a ``tp``-way generation layout), one at a time:
+    what a rollout engine's ``load_weights`` takes.
+    """
+
+    layout: ParallelLayout  # the training layout, resolved; ranks numbered by its coords
+    buffer: TrainShardBuffer  # this rank's shard; the engine's parameters are views of it
+    specs: list[ShardSpec]  # the resharding layout of the whole model (all stages)
+    to_hf: Callable[[Mapping[str, tuple[torch.Tensor, ...]], int], Iterator[tuple[str, torch.Tensor]]]
+
+
 class TrainEngine(abc.ABC):
     """A model shard under a training layout, with its optimizer."""
+
+    @classmethod
+    @abc.abstractmethod
+    def build(
+        cls, module: torch.nn.Module, spec: TrainEngineSpec, *, kind: ModelKind, total_steps: int, seed: int
+    ) -> "TrainEngine":
+        """The engine for ``module`` (the full HF model, the same weights on every rank) under
+        ``spec`` (its layout resolved); ``total_steps``: optimizer steps of the run."""
 
     @abc.abstractmethod
     def forward(self, batch: TensorDict, temperature: float = 1.0) -> dict[str, torch.Tensor]:
@@ -61,15 +104,55 @@ class TrainEngine(abc.ABC):
 
     @abc.abstractmethod
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's weights with HF parameter names (full tensors when unsharded)."""
+        """The full weights with HF parameter names (gathered when sharded: a collective every
+        rank calls). What an unsharded engine's rollout engine loads each iteration."""
+
+    def train_shard(self) -> TrainShard | None:
+        """The sharded training buffer the resharder moves to the rollout engine; None for an
+        engine holding full weights on every rank (``named_weights`` serves the sync)."""
+        return None
 
     @abc.abstractmethod
     def save_hf(self, path: str) -> None:
         """Write the full model in HF format (called on every rank; rank 0 writes)."""
 
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's model, optimizer and schedule state, for checkpoints."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+
+    @abc.abstractmethod
+    def offload(self) -> int:
+        """Move parameters, gradients and optimizer state to CPU memory while a colocated
+        model runs (``hybridflow.workers.colocation``); returns the bytes moved (0 when they
+        are there already, or the engine keeps its state where it is)."""
+
+    @abc.abstractmethod
+    def reload(self) -> int:
+        """Bring back to the engine's device what ``offload`` moved; returns the bytes moved."""
+
+    @property
+    @abc.abstractmethod
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel process group (the ranks holding the same shard with different
+        samples); None = the default group. Batch statistics reduce over it."""
+
 
 class RolloutEngine(abc.ABC):
     """Generates responses from prompts."""
+
+    @classmethod
+    @abc.abstractmethod
+    def build(
+        cls, module: torch.nn.Module, tokenizer: Any, *, max_model_len: int, max_num_seqs: int, seed: int
+    ) -> "RolloutEngine":
+        """The rollout engine of an actor whose train engine holds ``module`` (the full HF
+        model, in this process): it may generate from the module itself or take a copy.
+        ``max_num_seqs`` sequences of ``max_model_len`` tokens may be in flight at once (an
+        iteration's samples); ``seed`` differs per rank."""
 
     @abc.abstractmethod
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
@@ -96,3 +179,49 @@ class RolloutEngine(abc.ABC):
 
     def reload(self) -> None:
         """Restore what ``offload`` freed. No-op by default."""
+
+
+E = TypeVar("E")
+
+
+class EngineRegistry(Generic[E]):
+    """Engine classes by the name a graph file gives them, imported on first use."""
+
+    def __init__(self, kind: str, entries: Mapping[str, str]) -> None:
+        self.kind = kind
+        self._entries: dict[str, str | type[E]] = dict(entries)
+
+    def register(self, name: str, target: "str | type[E]") -> None:
+        """Add an engine: its class, or ``"module:Class"`` to import when first asked for."""
+        if name in self._entries:
+            raise ValueError(f"{self.kind} {name!r} is already registered")
+        self._entries[name] = target
+
+    def get(self, name: str) -> type[E]:
+        try:
+            target = self._entries[name]
+        except KeyError:
+            raise KeyError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}") from None
+        if isinstance(target, str):
+            module, _, attr = target.partition(":")
+            target = self._entries[name] = getattr(importlib.import_module(module), attr)
+        return target
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+
+TRAIN_ENGINES: EngineRegistry[TrainEngine] = EngineRegistry(
+    "train engine",
+    {
+        "torch": "hybridflow.engines.torch_engine:TorchTrainEngine",
+        "megatron": "hybridflow.engines.megatron.engine:MegatronTrainEngine",
+    },
+)
+ROLLOUT_ENGINES: EngineRegistry[RolloutEngine] = EngineRegistry(
+    "rollout engine",
+    {
+        "hf": "hybridflow.engines.hf_rollout:HFRolloutEngine",
+        "vllm": "hybridflow.engines.vllm_rollout:VLLMRolloutEngine",
+    },
+)

@@ -41,6 +41,13 @@ class HFRolloutEngine(RolloutEngine):
         # Counts of the last load_weights call: {"copied": n, "shared": n}.
         self.last_load: dict[str, int] = {"copied": 0, "shared": 0}
 
+    @classmethod
+    def build(
+        cls, module: nn.Module, tokenizer, *, max_model_len: int, max_num_seqs: int, seed: int
+    ) -> "HFRolloutEngine":
+        """Generates from the train engine's own ``module`` (same layout, no copy)."""
+        return cls(module, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
         """Library defaults plus ``params`` only: nothing from the model's own
         generation_config.json (repetition penalty, top-k, ...) alters the sampling distribution."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import nullcontext
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -23,11 +22,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hybridflow.algos import entropy_from_logits, log_probs_from_logits
 from hybridflow.data import keys as K
-from hybridflow.engines.base import LossFn, TrainEngine
+from hybridflow.engines.base import LossFn, ModelKind, TrainEngine
 from hybridflow.engines.packing import pack
 from hybridflow.spec.graph import OptimSpec, TrainEngineSpec
-
-ModelKind = Literal["policy", "value"]
 
 
 def lr_factor(step: int, optim: OptimSpec, total_steps: int) -> float:
@@ -125,6 +122,7 @@ class TorchTrainEngine(TrainEngine):
         self.spec = spec
         self.kind: ModelKind = kind
         self.module = model
+        self.home = next(model.parameters()).device  # where reload() brings the state back
         if spec.remove_padding:
             check_packing(model)
         self.process_group = process_group
@@ -148,6 +146,17 @@ class TorchTrainEngine(TrainEngine):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, optim, total)
         )
+
+    @classmethod
+    def build(
+        cls, module: nn.Module, spec: TrainEngineSpec, *, kind: ModelKind, total_steps: int, seed: int
+    ) -> "TorchTrainEngine":
+        """Data parallel over the default process group (every rank of the worker group)."""
+        return cls(module, spec, total_steps=total_steps, kind=kind)
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.process_group
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -302,6 +311,35 @@ class TorchTrainEngine(TrainEngine):
             self.module.save_pretrained(path)
         if self.dp_size > 1:
             dist.barrier(group=self.process_group)
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        tensors = list(self.module.parameters())
+        for state in self.optimizer.state.values():
+            # "step" stays where torch keeps it (a CPU scalar unless capturable).
+            tensors.extend(v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step")
+        return tensors
+
+    def _move(self, device: torch.device) -> int:
+        """Module (with its grads) and optimizer state to ``device``; the bytes moved."""
+        moved = sum(t.numel() * t.element_size() for t in self._state_tensors() if t.device != device)
+        if moved == 0:
+            return 0
+        self.module.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+        return moved
+
+    def offload(self) -> int:
+        return self._move(torch.device("cpu"))
+
+    def reload(self) -> int:
+        return self._move(self.home)
+
+    # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         """Model, optimizer and LR-scheduler state (this rank's) for checkpoints."""

@@ -27,6 +27,8 @@ core lives in this process, next to the train engine.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -163,6 +165,27 @@ class VLLMRolloutEngine(RolloutEngine):
         # Of the last load_weights call: tensors given, tied heads re-packed, seconds taken.
         self.last_load: dict[str, float] = {"loaded": 0, "repacked": 0, "seconds": 0.0}
         self._weight_bytes: int | None = None  # bytes the last load_weights took
+
+    @classmethod
+    def build(
+        cls, module: nn.Module, tokenizer: Any, *, max_model_len: int, max_num_seqs: int, seed: int
+    ) -> "VLLMRolloutEngine":
+        """Starts once from ``module``'s initial weights written to a temporary HF directory
+        (removed once loaded), then takes every update in memory through ``load_weights``."""
+        model_dir = tempfile.mkdtemp(prefix="hybridflow-vllm-")
+        try:
+            save_for_vllm(module, tokenizer, model_dir)
+            return cls(
+                model_dir,
+                eos_id=tokenizer.eos_token_id,
+                pad_id=tokenizer.pad_token_id,
+                max_model_len=max_model_len,
+                seed=seed,
+                dtype=str(module.dtype).removeprefix("torch."),
+                kv_cache_bytes=kv_cache_bytes_for(module.config, max_num_seqs, max_model_len),
+            )
+        finally:
+            shutil.rmtree(model_dir, ignore_errors=True)
 
     # -- generate -----------------------------------------------------------------------------
 

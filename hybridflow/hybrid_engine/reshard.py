@@ -3,9 +3,9 @@
 The seam, used by the actor worker once per iteration (``hybridflow.hybrid_engine.sync``)::
 
     groups = build_groups(gen_layout)                  # once, collectively, every rank
-    buffer = engine.train_shard                        # the engine's parameters are its views
-    gen, stats = reshard_to_generation(buffer, engine.shard_specs(), gen_layout, groups)
-    rollout.load_weights(engine.generation_weights(gen, gen_layout.tp))  # HF names, streamed
+    shard = engine.train_shard()                       # the engine's parameters are its views
+    gen, stats = reshard_to_generation(shard.buffer, shard.specs, gen_layout, groups)
+    rollout.load_weights(shard.to_hf(gen, gen_layout.tp))  # HF names, streamed
     ...generate...
     gen.release()                                      # before training resumes
 

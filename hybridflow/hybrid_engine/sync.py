@@ -1,13 +1,13 @@
 """Moving the actor's fresh weights from its train engine to its rollout engine, every iteration.
 
-Two cases, chosen by the train engine:
+Two cases, chosen by the train engine (``weight_sync``: whether ``train_shard()`` gives one):
 
 - **Same layout** (:func:`sync_weights`): the torch train engine and a rollout engine in one
   process. The transformers rollout engine generates from the train engine's own module:
   ``load_weights`` finds every tensor already in place and copies nothing. vLLM keeps its own copy
   and takes the weights through ``load_weights``.
 - **Sharded** (:class:`ReshardedSync`): a train engine whose parameters are views of a flat
-  training shard (megatron-core, TP x PP). Each iteration the resharder gathers the generation
+  training shard (``TrainEngine.train_shard``: megatron-core, TP x PP). Each iteration the resharder gathers the generation
   shard from the micro-DP group (zero-redundancy path, or the naive one), the rollout engine
   takes it under HF names one tensor at a time, and the received buffers are dropped before
   training resumes. The measured bytes and peak memory go into the iteration's metrics.
@@ -16,15 +16,27 @@ Two cases, chosen by the train engine:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from functools import partial
 
 from torch import Tensor
 
-from hybridflow.engines.base import RolloutEngine, TrainEngine
-from hybridflow.engines.shards import ShardSpec, TrainShardBuffer
+from hybridflow.engines.base import RolloutEngine, TrainEngine, TrainShard
 from hybridflow.hybrid_engine.reshard import Mode, build_groups, reshard_to_generation
-from hybridflow.spec.layout import GenerationLayout, ParallelLayout
+from hybridflow.spec.graph import RolloutSpec
+from hybridflow.spec.layout import GenerationLayout
+
+WeightSync = Callable[[RolloutEngine], dict[str, float]]  # one call per iteration; its metrics
+
+
+def weight_sync(engine: TrainEngine, rollout: RolloutSpec) -> WeightSync:
+    """How ``engine``'s weights reach its rollout engine each iteration: through the resharder
+    when it holds a training shard, else as its full named weights. Building the resharded one
+    is collective: every rank of the group calls this."""
+    shard = engine.train_shard()
+    if shard is None:
+        return partial(sync_weights, engine)
+    return ReshardedSync(shard, rollout.layout.tp, rollout.layout.pp, rollout.reshard)
 
 
 def sync_weights(train: TrainEngine, rollout: RolloutEngine) -> dict[str, float]:
@@ -34,22 +46,6 @@ def sync_weights(train: TrainEngine, rollout: RolloutEngine) -> dict[str, float]
     return {"timing/weight_sync": time.perf_counter() - start}
 
 
-class ShardedTrainEngine(Protocol):
-    """What :class:`ReshardedSync` needs of a train engine (``MegatronTrainEngine`` has it)."""
-
-    train_layout: ParallelLayout  # resolved (dp set); ranks numbered as in ``groups.py``
-    train_shard: TrainShardBuffer  # this rank's parameters live in its views
-
-    def shard_specs(self) -> list[ShardSpec]: ...
-
-    def generation_weights(self, shards, tp: int): ...
-
-
-def is_sharded(engine: object) -> bool:
-    """Whether ``engine`` keeps its weights in a training shard (takes :class:`ReshardedSync`)."""
-    return hasattr(engine, "train_shard") and hasattr(engine, "generation_weights")
-
-
 class ReshardedSync:
     """The train -> generate transition of a sharded actor, through the resharder.
 
@@ -57,24 +53,24 @@ class ReshardedSync:
     collectively); called once per iteration after the update.
 
     Args:
-        engine: the sharded train engine.
+        shard: the train engine's training shard (``TrainEngine.train_shard()``).
         tp, pp: the generation layout (tg, pg); must divide the training tp, pp.
         mode: ``"zero_redundancy"`` (all-gather inside each micro-DP group) or ``"naive"``
             (gather the whole model-parallel group, then keep this rank's part).
     """
 
-    def __init__(self, engine: ShardedTrainEngine, tp: int = 1, pp: int = 1, mode: Mode = "zero_redundancy") -> None:
-        self.engine = engine
-        self.layout = GenerationLayout(train=engine.train_layout, tp=tp, pp=pp)
+    def __init__(self, shard: TrainShard, tp: int = 1, pp: int = 1, mode: Mode = "zero_redundancy") -> None:
+        self.shard = shard
+        self.layout = GenerationLayout(train=shard.layout, tp=tp, pp=pp)
         self.mode = mode
         self.groups = build_groups(self.layout)
 
     def __call__(self, rollout: RolloutEngine) -> dict[str, float]:
         start = time.perf_counter()
         shards, stats = reshard_to_generation(
-            self.engine.train_shard, self.engine.shard_specs(), self.layout, self.groups, self.mode
+            self.shard.buffer, self.shard.specs, self.layout, self.groups, self.mode
         )
-        weights = self.engine.generation_weights(shards, self.layout.tp)
+        weights = self.shard.to_hf(shards, self.layout.tp)
         rollout.load_weights(_counting_copies(weights, shards, stats))
         shards.release()
         metrics = stats.as_metrics()

@@ -84,9 +84,6 @@ class Worker:
             )
         protocol = get_protocol(dispatch)
         started = time.time()  # wall clock: comparable across processes for the timeline
-        colocation = getattr(self, "colocation", None)  # set by workers hosting several models
-        if colocation is not None and "model" in kwargs:
-            colocation.activate(kwargs["model"])  # the idle models' state goes to CPU memory
         transfers = worker_transfers()
         args = protocol.unpack(dispatch_payload)
         result = getattr(self, method_name)(*args, **kwargs)

@@ -10,7 +10,6 @@ of a subclass.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -20,13 +19,10 @@ from tensordict import TensorDict
 from hybridflow.algos import POLICY_LOSSES, agg_loss, kl_penalty, masked_mean
 from hybridflow.data import keys as K
 from hybridflow.data.batch import place_sequence_reward
-from hybridflow.engines.base import SamplingParams
-from hybridflow.engines.base import RolloutEngine
-from hybridflow.engines.hf_rollout import HFRolloutEngine
+from hybridflow.engines.base import ROLLOUT_ENGINES, TRAIN_ENGINES, RolloutEngine, SamplingParams, TrainEngine
 from hybridflow.engines.models import build_causal_lm, build_value_model
-from hybridflow.engines.torch_engine import TorchTrainEngine
 from hybridflow.hybrid_engine.consistency import ConsistencyStats, check_consistency
-from hybridflow.hybrid_engine.sync import ReshardedSync, is_sharded, sync_weights
+from hybridflow.hybrid_engine.sync import WeightSync, weight_sync
 from hybridflow.graph.dag import Graph, Node
 from hybridflow.rewards.remote import RewardSources, row_fields
 from hybridflow.spec.graph import Spec, UpdateOptions
@@ -71,10 +67,11 @@ class ModelWorker(Worker):
         self.spec = graph_spec = graph.spec
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
         seed = graph_spec.trainer.seed
-        self.train_engines: dict[str, TorchTrainEngine] = {}
+        self.train_engines: dict[str, TrainEngine] = {}
         self.rollout_engines: dict[str, RolloutEngine] = {}
-        self.weight_syncs: dict[str, Callable[[RolloutEngine], dict[str, float]]] = {}
+        self.weight_syncs: dict[str, WeightSync] = {}
         self.rules = {}
+        data = graph_spec.data
         for name in models:
             model_spec = graph_spec.models[name]
             if model_spec.source.is_scorer:
@@ -91,69 +88,29 @@ class ModelWorker(Worker):
                 dtype=model_spec.train.dtype,
             )
             engine_spec = model_spec.train.model_copy(update={"layout": graph.layouts[name]})
-            kind = "value" if value_head else "policy"
-            if engine_spec.engine == "megatron":
-                # Imported here: megatron-core loads only where a graph asks for it. The engine
-                # converts `module`'s weights; `module` stays the full HF model the rollout
-                # engine generates from (tg = 1), refreshed through the resharder after each
-                # update (ReshardedSync).
-                from hybridflow.engines.megatron import MegatronTrainEngine
-
-                self.train_engines[name] = MegatronTrainEngine(
-                    module, engine_spec, total_steps=total_steps, kind=kind, seed=seed
+            engine = TRAIN_ENGINES.get(engine_spec.engine).build(
+                module, engine_spec, kind="value" if value_head else "policy", total_steps=total_steps, seed=seed
+            )
+            self.train_engines[name] = engine
+            rollout = model_spec.rollout
+            if rollout is not None:
+                self.rollout_engines[name] = ROLLOUT_ENGINES.get(rollout.engine).build(
+                    module,
+                    self.tokenizer,
+                    max_model_len=data.max_prompt_length + data.max_response_length,
+                    # A whole iteration's samples fit in the KV cache at once (one batch per generate call).
+                    max_num_seqs=data.prompts_per_iteration * rollout.n,
+                    seed=seed * 1000 + rank,
                 )
-            else:
-                self.train_engines[name] = TorchTrainEngine(
-                    module, engine_spec, total_steps=total_steps, kind=kind
-                )
-            if model_spec.rollout is not None:
-                self.rollout_engines[name] = self._build_rollout(model_spec.rollout.engine, module, rank)
-                engine = self.train_engines[name]
-                if is_sharded(engine):  # collective: every rank of the group builds its groups
-                    gen = model_spec.rollout.layout
-                    self.weight_syncs[name] = ReshardedSync(engine, gen.tp, gen.pp, model_spec.rollout.reshard)
+                self.weight_syncs[name] = weight_sync(engine, rollout)  # collective when resharded
         # Different ranks must sample differently; the same rank the same way every run.
         torch.manual_seed(seed * 1000 + rank)
-        self.colocation = Colocation(self.train_engines)  # Worker.execute activates per op
+        self.colocation = Colocation(self.train_engines)  # run_op activates the node's model
         # Checkpointed with the engines: anything with state_dict()/load_state_dict() that other
         # ops keep across iterations (a KL controller, a Lagrange multiplier) registers here.
         self.extra_state: dict[str, Any] = algo_steps.build_controllers(graph_spec, models)
         self._inject_nonfinite_updates: dict[str, int] = {}  # model -> updates to poison (tests)
         self._inject_stale_syncs: dict[str, int] = {}  # model -> weight syncs to skip (tests)
-
-    def _build_rollout(self, kind: str, module: torch.nn.Module, rank: int) -> RolloutEngine:
-        """The actor's rollout engine, in this process next to its train engine.
-
-        ``hf`` generates from the train engine's own module (same layout, no copy). ``vllm``
-        starts once from the initial weights written to a temporary HF dir (removed once
-        loaded) and then takes every update in memory through ``load_weights``.
-        """
-        eos_id, pad_id = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        if kind == "hf":
-            return HFRolloutEngine(module, eos_id=eos_id, pad_id=pad_id)
-        import shutil
-        import tempfile
-
-        from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, kv_cache_bytes_for, save_for_vllm
-
-        data = self.spec.data
-        max_model_len = data.max_prompt_length + data.max_response_length
-        # A whole iteration's samples fit in the KV cache at once (one batch per generate call).
-        samples = data.prompts_per_iteration * max(m.rollout.n for m in self.spec.models.values() if m.rollout)
-        model_dir = tempfile.mkdtemp(prefix="hybridflow-vllm-")
-        try:
-            save_for_vllm(module, self.tokenizer, model_dir)
-            return VLLMRolloutEngine(
-                model_dir,
-                eos_id=eos_id,
-                pad_id=pad_id,
-                max_model_len=max_model_len,
-                seed=self.spec.trainer.seed * 1000 + rank,
-                dtype=str(module.dtype).removeprefix("torch."),
-                kv_cache_bytes=kv_cache_bytes_for(module.config, samples, max_model_len),
-            )
-        finally:
-            shutil.rmtree(model_dir, ignore_errors=True)
 
     # -- ops ----------------------------------------------------------------------------------
 
@@ -290,7 +247,7 @@ class ModelWorker(Worker):
         metrics = self._train(batch, node, self._policy_loss(opts, rollout_stats), rollout_stats)
         metrics.update(extra)
         # Same numbers on every rank (reduced over the DP group): all ranks stop together.
-        consistency = rollout_stats.reduce(self.train_engines[model].process_group)
+        consistency = rollout_stats.reduce(self.train_engines[model].dp_group)
         metrics.update({f"actor/{k}": v for k, v in consistency.items()})
         rollout = self.spec.models[model].rollout
         if rollout is not None:
@@ -321,6 +278,7 @@ class ModelWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def save_hf(self, *, model: str, path: str) -> None:
+        self.colocation.activate(model)
         self.train_engines[model].save_hf(path)
 
     # -- checkpoints and fault injection ------------------------------------------------------
@@ -361,10 +319,7 @@ class ModelWorker(Worker):
 
     def _sync_rollout(self, model: str) -> dict[str, float]:
         """The rollout engine of ``model`` takes its train engine's current weights."""
-        rollout = self.rollout_engines[model]
-        if model in self.weight_syncs:
-            return self.weight_syncs[model](rollout)
-        return sync_weights(self.train_engines[model], rollout)
+        return self.weight_syncs[model](self.rollout_engines[model])
 
     @register(Dispatch.ONE_TO_ALL)
     def inject_nonfinite(self, *, model: str, target: str, count: int = 1) -> None:

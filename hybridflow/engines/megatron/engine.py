@@ -22,10 +22,15 @@ all-gather their pieces, run the union through the model together, and each retu
 of its own piece. ``same_batch_on_model_parallel_ranks=True`` skips the gather for callers that
 already give every rank of a model-parallel group the same batch (``Dispatch.DP_3D``).
 
-Weights: the parameters are views of one flat tensor per rank, ``train_shard``, laid out by
+Weights: the parameters are views of one flat tensor per rank, ``shard_buffer``, laid out by
 ``convert.shard_specs`` and set before megatron's DDP and optimizer take them. The
-3D-HybridEngine gathers generation shards straight from it (``hybridflow.hybrid_engine.sync``);
-``full_hf_state`` is the naive full gather that ``save_hf`` uses.
+3D-HybridEngine gathers generation shards straight from it (``train_shard()``, used by
+``hybridflow.hybrid_engine.sync``); ``full_hf_state`` is the naive full gather that ``save_hf``
+uses.
+
+Memory: the parameters live in megatron DDP's buffers, which a ``.to()`` would detach them from,
+so ``offload``/``reload`` keep the state where it is (0 bytes moved) and a colocated torch model
+is the one that moves.
 """
 
 from __future__ import annotations
@@ -33,7 +38,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from functools import partial
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -42,7 +46,7 @@ from torch import Tensor
 
 from hybridflow.algos import entropy_from_logits, log_probs_from_logits
 from hybridflow.data import keys as K
-from hybridflow.engines.base import LossFn, TrainEngine
+from hybridflow.engines.base import LossFn, ModelKind, TrainEngine, TrainShard
 from hybridflow.engines.megatron import cpu_compat
 from hybridflow.engines.megatron.convert import (
     Dims,
@@ -53,7 +57,7 @@ from hybridflow.engines.megatron.convert import (
     to_hf,
 )
 from hybridflow.engines.megatron.model import build_gpt_model, load_megatron_state
-from hybridflow.engines.shards import ShardSpec, TrainShardBuffer
+from hybridflow.engines.shards import TrainShardBuffer
 from hybridflow.engines.torch_engine import lr_factor
 from hybridflow.spec.graph import TrainEngineSpec
 from hybridflow.spec.layout import ParallelLayout
@@ -110,7 +114,7 @@ class MegatronTrainEngine(TrainEngine):
         spec: TrainEngineSpec,
         *,
         total_steps: int | None = None,
-        kind: Literal["policy", "value"] = "policy",
+        kind: ModelKind = "policy",
         seed: int = 0,
         same_batch_on_model_parallel_ranks: bool = False,
     ) -> None:
@@ -135,10 +139,7 @@ class MegatronTrainEngine(TrainEngine):
             ps.get_tensor_model_parallel_rank(),
             ps.get_pipeline_model_parallel_rank(),
         ), "megatron's rank order must be ParallelLayout's"
-        self.dp_group = ps.get_data_parallel_group()
-        # Group over which callers reduce per-token statistics of loss_fn calls: every rank (the
-        # TP ranks of a replica see the same tokens, which ratio-type statistics tolerate).
-        self.process_group = None
+        self._dp_group = ps.get_data_parallel_group()
         self.hf_model = hf_model
         self.hf_config = hf_model.config
         self.dims = Dims.from_hf(self.hf_config)
@@ -148,19 +149,16 @@ class MegatronTrainEngine(TrainEngine):
         # The training shard: one flat tensor whose views are the parameters (set before DDP and
         # the optimizer take them), so the resharder sends and keeps it without a copy.
         self.specs = shard_specs(self.dims, tp, pp)
-        self.train_shard = TrainShardBuffer.allocate(
+        self.shard_buffer = TrainShardBuffer.allocate(
             self.specs, self.coords.pp_rank, tp, dist.get_rank(), self.dtype, self.device
         )
         module = build_gpt_model(self.hf_config, self.coords, self.dtype).to(self.device)
-        views = megatron_views(self.train_shard, self.dims, self.coords)
+        views = megatron_views(self.shard_buffer, self.dims, self.coords)
         for name, param in module.named_parameters():
             if name in views:  # all but a tied output layer's copy on the last stage (p > 1)
                 param.data = views[name]
         state = {n: t.to(self.device) for n, t in hf_model.state_dict().items()}
         load_megatron_state(module, hf_to_megatron(state, self.dims, self.coords))
-        # Named ``gpt_model``, not ``module``: the engine manages its own memory. Worker-level
-        # offload (``workers/colocation.py``) moves engines that expose a plain ``module``, and a
-        # ``.to()`` of this one would detach its parameters from megatron DDP's grad buffers.
         self.gpt_model = module
         self.config = module.config
         self.model = DistributedDataParallel(
@@ -194,6 +192,25 @@ class MegatronTrainEngine(TrainEngine):
         )
         self.step_count = 0
         self.same_batch = same_batch_on_model_parallel_ranks
+
+    @classmethod
+    def build(
+        cls, module, spec: TrainEngineSpec, *, kind: ModelKind, total_steps: int, seed: int
+    ) -> "MegatronTrainEngine":
+        """Converts ``module``'s weights; ``module`` stays the full HF model (the container
+        ``save_hf`` writes and a tg = 1 rollout engine generates from, refreshed through the
+        resharder after each update)."""
+        return cls(module, spec, total_steps=total_steps, kind=kind, seed=seed)
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self._dp_group
+
+    def offload(self) -> int:
+        return 0  # see the module docstring: the state stays in megatron's buffers
+
+    def reload(self) -> int:
+        return 0
 
     def _model_parallel_union(self, batch: TensorDict) -> tuple[TensorDict, slice]:
         """The samples of every rank of this model-parallel group, and where ours sit in it."""
@@ -296,7 +313,7 @@ class MegatronTrainEngine(TrainEngine):
         """Sum over the data-parallel group (on the engine's device: nccl takes CUDA tensors)."""
         if self.dp_size > 1:
             on_device = values.to(self.device)
-            dist.all_reduce(on_device, group=self.dp_group)
+            dist.all_reduce(on_device, group=self._dp_group)
             values = on_device.to(values.device)
         return values
 
@@ -344,12 +361,12 @@ class MegatronTrainEngine(TrainEngine):
 
     # -- weights ------------------------------------------------------------------------------
 
-    def shard_specs(self) -> list[ShardSpec]:
-        """The resharding layout of the whole model (all stages); ``train_shard`` holds this
-        rank's part of it, and the parameters are views of ``train_shard``."""
-        return self.specs
+    def train_shard(self) -> TrainShard:
+        """This rank's flat training shard (the parameters are its views) with the resharding
+        layout of the whole model (all stages)."""
+        return TrainShard(self.train_layout, self.shard_buffer, self.specs, self._generation_weights)
 
-    def generation_weights(self, shards, tp: int) -> Iterator[tuple[str, Tensor]]:
+    def _generation_weights(self, shards, tp: int) -> Iterator[tuple[str, Tensor]]:
         """HF-named tensors of a generation shard (``shards``: name -> TP pieces, as returned by
         the resharder for a ``tp``-way generation layout), one at a time: what a rollout engine's
         ``load_weights`` takes. At ``tp`` = 1 the vocabulary padding is dropped."""
@@ -364,7 +381,7 @@ class MegatronTrainEngine(TrainEngine):
         buffers) are gathered instead of the weights.
         """
         if megatron_tensors is None:
-            named = self.train_shard.views
+            named = self.shard_buffer.views
         else:
             named = resharding_named(megatron_tensors, self.dims, self.coords)
         tp_group = self.ps.get_tensor_model_parallel_group()
