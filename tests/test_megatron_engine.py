@@ -142,10 +142,10 @@ def _check_equivalence(rank, world, port, tp, pp, tied, backend="gloo", arch="qw
         assert (logits - ref).abs().max() < tol, float((logits - ref).abs().max())
 
     # 2. log-probs and entropy of a padded batch at a temperature (through the pipeline schedule).
-    # Each rank passes its own samples (DP_SPLIT); the model-parallel group runs their union.
+    # Every rank of the model-parallel group passes the same samples (DP_3D; here dp = 1).
     batch = random_batch(7)
-    got = engine.forward(batch.chunk(world)[rank], temperature=0.7)
-    want = _hf_reference_outputs(copy.deepcopy(hf), batch.chunk(world)[rank], 0.7)
+    got = engine.forward(batch, temperature=0.7)
+    want = _hf_reference_outputs(copy.deepcopy(hf), batch, 0.7)
     for key in ("log_probs", "entropy"):
         err = (got[key] - want[key]).abs().max()
         assert err < tol, (key, float(err))
@@ -202,7 +202,8 @@ def _check_train_steps(rank, world, port, tp, pp, dp, grad_clip, backend="gloo")
             pg_loss(batch, out)[0].backward()
             ref_grads = {n: p.grad for n, p in probe.named_parameters()}
         want = reference.train_step(batch, pg_loss)
-        got = engine.train_step(batch.chunk(world)[rank], pg_loss)  # DP_SPLIT over all ranks
+        # DP_3D: each data-parallel replica's chunk, the same on its model-parallel ranks.
+        got = engine.train_step(batch.chunk(dp)[engine.coords.dp_rank], pg_loss)
         for key in ("loss", "pg", "grad_norm", "lr"):
             assert abs(got[key] - want[key]) < scale * 1e-5 * max(1.0, abs(want[key])), (step, key, got, want)
         if step == 0:

@@ -17,6 +17,7 @@ import ray
 from hybridflow.data.tasks import get_task
 from hybridflow.graph.dag import load_graph
 from hybridflow.placement.pools import ResourcePool
+from hybridflow.spec.layout import ParallelLayout
 from hybridflow.spec.pool import PoolSpec
 from hybridflow.workers.group import WorkerGroup
 from hybridflow.workers.model_worker import ModelWorker
@@ -126,12 +127,14 @@ def test_colocated_process_uses_less_memory_than_two_single_role_ones(ray_sessio
     try:
         # The same work in each: log-probs from every hosted model of the same responses
         # (and generation in the processes that host the actor).
+        one_rank = ParallelLayout().resolve(1)
         for key in ("both", "actor"):
-            responses, _ = groups[key].run_op([prompts], group_size=1, node="generate").result(timeout_s=300)
+            call = groups[key].run_op([prompts], group_size=1, layout=one_rank, node="generate")
+            responses, _ = call.result(timeout_s=300)
         log_prob = {"actor": "old_log_prob", "ref": "ref_log_prob"}
         for key, group in groups.items():
             for model in ["actor", "ref"] if key == "both" else [key]:
-                group.run_op([responses], group_size=1, node=log_prob[model]).result(timeout_s=300)
+                group.run_op([responses], group_size=1, layout=one_rank, node=log_prob[model]).result(timeout_s=300)
         usage = {key: _rss(group) for key, group in groups.items()}
         stats = ray.get(groups["both"].workers[0].__ray_call__.remote(lambda w: w.colocation.stats()))
     finally:

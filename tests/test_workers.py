@@ -519,6 +519,8 @@ def test_3d_same_chunk_per_dp_group_collect_tp0_last_stage(group_4, layout, coll
         assert meta["coords"] == layout.coords(meta["rank"])
         by_dp.setdefault(meta["coords"].dp_rank, []).append(meta["uids"])
     assert len(by_dp) == layout.dp
+    for meta in all_metas:  # only the collected ranks put their (equal) output in the store
+        assert (meta["put_bytes"] > 0) == (meta["rank"] in collected), meta
     for uids in by_dp.values():  # every TP/PP rank of a DP group got the same chunk
         assert all(u == uids[0] for u in uids)
         assert len(uids[0]) % 2 == 0

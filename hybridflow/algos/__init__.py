@@ -28,6 +28,8 @@ from hybridflow.algos.losses import (
     explained_variance,
     entropy_from_logits,
     log_probs_from_logits,
+    ReduceSum,
+    local_sum,
     masked_mean,
     ppo_clip_policy_loss,
     token_mean,
@@ -69,4 +71,6 @@ __all__ = [
     "masked_mean",
     "ppo_clip_policy_loss",
     "token_mean",
+    "ReduceSum",
+    "local_sum",
 ]

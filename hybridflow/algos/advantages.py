@@ -14,9 +14,11 @@ Fields an estimator may take (all (B, ...) tensors, aligned with ``responses``):
   (ReMax: the greedy one); ``uid`` (B,): prompt id; ``response_mask`` (B, R).
 
 Every estimator returns ``(advantages, returns)``, both (B, R) and zero outside
-``response_mask``. They are batch functions: the worker calls them on the *whole* rollout batch
-(gathered over data-parallel ranks), so batch-wide statistics (whitening, ``scope="batch"``)
-do not depend on the number of ranks.
+``response_mask``. They are batch functions: the worker calls them on its data-parallel rank's
+part of the rollout batch, which holds whole prompt groups, so group statistics are local;
+batch-wide statistics (whitening, ``scope="batch"``) go through ``reduce_sum`` (an all-reduce
+over the ranks, see ``losses.ReduceSum``; default: the whole batch is here), so they do not
+depend on the number of ranks.
 
 Shapes: B = samples, R = response length.
 """
@@ -27,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from hybridflow.algos.losses import ReduceSum, local_sum
 from hybridflow.algos.registry import ADV_ESTIMATORS
 
 GroupScope = Literal["group", "batch"]
@@ -61,18 +64,35 @@ def _group_stats(
     return counts[group_of], sums[group_of], sq_sums[group_of]
 
 
+def _batch_stats(
+    scores: torch.Tensor, reduce_sum: ReduceSum
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_group_stats`` with the whole batch (every rank's part) as one group."""
+    one_group = torch.zeros_like(scores, dtype=torch.int64)
+    local = scores.new_zeros(1).index_add_(0, one_group, scores)
+    count, total = reduce_sum(torch.cat([scores.new_tensor([scores.numel()]), local]))
+    centered = scores - total / count
+    sq_sum = reduce_sum(scores.new_zeros(1).index_add_(0, one_group, centered.square()))[0]
+    return count.expand_as(scores), total.expand_as(scores), sq_sum.expand_as(scores)
+
+
 def masked_whiten(
-    values: torch.Tensor, mask: torch.Tensor, epsilon: float = 1e-8, shift_mean: bool = True
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    epsilon: float = 1e-8,
+    shift_mean: bool = True,
+    reduce_sum: ReduceSum = local_sum,
 ) -> torch.Tensor:
-    """``(values - mean) / sqrt(var + epsilon)`` over the tokens where ``mask`` (B, R) is 1.
+    """``(values - mean) / sqrt(var + epsilon)`` over the tokens where ``mask`` (B, R) is 1
+    (on every rank's part of the batch, through ``reduce_sum``).
 
     The variance is the unbiased one (n - 1), 0 for a single token; masked-out entries are 0.
     With ``shift_mean=False`` the mean is added back (only the scale changes).
     """
     mask_f = mask.to(values.dtype)
-    count = mask_f.sum()
-    mean = (values * mask_f).sum() / count.clamp(min=1)
-    var = ((values - mean).square() * mask_f).sum() / (count - 1).clamp(min=1)
+    total, count = reduce_sum(torch.stack([(values * mask_f).sum(), mask_f.sum()]))
+    mean = total / count.clamp(min=1)
+    var = reduce_sum(((values - mean).square() * mask_f).sum()) / (count - 1).clamp(min=1)
     whitened = (values - mean) * torch.rsqrt(var + epsilon)
     if not shift_mean:
         whitened = whitened + mean
@@ -101,6 +121,7 @@ def grpo_advantage(
     norm_by_std: bool = True,
     epsilon: float = 1e-6,
     scope: GroupScope = "group",
+    reduce_sum: ReduceSum = local_sum,
     **_,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-relative advantage (GRPO): each score against the other answers to its prompt.
@@ -121,7 +142,8 @@ def grpo_advantage(
         uid: (B,) int64, prompt id; equal within a group.
         norm_by_std: divide by the group std.
         epsilon: added to the std before dividing.
-        scope: ``"group"`` (per uid) or ``"batch"`` (one group of everything).
+        scope: ``"group"`` (per uid) or ``"batch"`` (one group of everything, over every
+            rank's part of the batch through ``reduce_sum``).
 
     Returns:
         ``(advantages, returns)``, both (B, R) in the dtype of ``scores`` (float32 if integer),
@@ -129,8 +151,9 @@ def grpo_advantage(
     """
     scores = _check_seq(scores, response_mask, "grpo_advantage")
     if scope == "batch":
-        uid = torch.zeros_like(scores, dtype=torch.int64)
-    counts, sums, sq_sums = _group_stats(scores, uid)
+        counts, sums, sq_sums = _batch_stats(scores, reduce_sum)
+    else:
+        counts, sums, sq_sums = _group_stats(scores, uid)
     centered = scores - sums / counts
     if norm_by_std:
         # clamp keeps the size-1 division finite; those groups get std 1 (advantage 0).
@@ -195,6 +218,7 @@ def reinforce_plus_plus_advantage(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     gamma: float = 1.0,
+    reduce_sum: ReduceSum = local_sum,
     **_,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: discounted token returns, whitened over the whole batch.
@@ -210,7 +234,7 @@ def reinforce_plus_plus_advantage(
         ``(advantages, returns)``: the whitened and the raw returns, (B, R).
     """
     returns = discounted_returns(token_rewards, response_mask, gamma)
-    return masked_whiten(returns, response_mask), returns
+    return masked_whiten(returns, response_mask, reduce_sum=reduce_sum), returns
 
 
 @ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
@@ -219,6 +243,7 @@ def reinforce_plus_plus_baseline_advantage(
     response_mask: torch.Tensor,
     uid: torch.Tensor,
     gamma: float = 1.0,
+    reduce_sum: ReduceSum = local_sum,
     **_,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with a group baseline: the group-mean return is subtracted before whitening.
@@ -237,7 +262,7 @@ def reinforce_plus_plus_baseline_advantage(
     seq_return = returns[:, 0]
     counts, sums, _ = _group_stats(seq_return, uid)
     centred = returns - _broadcast(sums / counts, response_mask)
-    return masked_whiten(centred, response_mask), returns
+    return masked_whiten(centred, response_mask, reduce_sum=reduce_sum), returns
 
 
 @ADV_ESTIMATORS.register("gae")
@@ -248,6 +273,7 @@ def gae_advantage(
     gamma: float = 1.0,
     gae_lambda: float = 1.0,
     whiten: bool = False,
+    reduce_sum: ReduceSum = local_sum,
     **_,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) over the response tokens.
@@ -283,7 +309,7 @@ def gae_advantage(
         next_advantage = advantage
     returns = (advantages + values) * mask_f
     if whiten:
-        advantages = masked_whiten(advantages, response_mask)
+        advantages = masked_whiten(advantages, response_mask, reduce_sum=reduce_sum)
     return advantages, returns
 
 

@@ -10,6 +10,8 @@ Shapes: B = samples, R = response length, V = vocabulary size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hybridflow.algos.kl import kl_penalty
@@ -19,10 +21,26 @@ from hybridflow.algos.registry import LOSS_AGGS, POLICY_LOSSES
 _MAX_LOG_RATIO = 20.0
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+# -- batch statistics over ranks -------------------------------------------------------------
+# A batch split over data-parallel ranks (whole prompt groups on each) takes its batch-wide
+# statistics through ``reduce_sum``: it adds a tensor of sums over every rank holding part of the
+# batch (an all-reduce; the worker builds it). The default, ``local_sum``, is the identity: the
+# whole batch is here. Each statistic is written so that with ``local_sum`` it computes exactly
+# what it would without the parameter.
+
+ReduceSum = Callable[[torch.Tensor], torch.Tensor]
+
+
+def local_sum(sums: torch.Tensor) -> torch.Tensor:
+    """``reduce_sum`` of a batch held whole by one rank."""
+    return sums
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, reduce_sum: ReduceSum = local_sum) -> torch.Tensor:
     """Mean of ``values`` (B, R) where ``mask`` (B, R) is 1; 0 when the mask is empty."""
     mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+    total, count = reduce_sum(torch.stack([(values * mask).sum(), mask.sum()]))
+    return total / count.clamp(min=1)
 
 
 # -- aggregation ---------------------------------------------------------------------------
@@ -191,7 +209,7 @@ def clipped_value_loss(
 
 
 def explained_variance(
-    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, reduce_sum: ReduceSum = local_sum
 ) -> float:
     """``1 - Var(returns - values) / Var(returns)`` over the valid tokens of (B, R) tensors.
 
@@ -199,11 +217,11 @@ def explained_variance(
     returns have no variance.
     """
     mask_f = mask.to(returns.dtype)
-    count = mask_f.sum().clamp(min=1)
+    count = reduce_sum(mask_f.sum()).clamp(min=1)
 
     def var(x: torch.Tensor) -> torch.Tensor:
-        mean = (x * mask_f).sum() / count
-        return ((x - mean).square() * mask_f).sum() / count
+        mean = reduce_sum((x * mask_f).sum()) / count
+        return reduce_sum(((x - mean).square() * mask_f).sum()) / count
 
     var_returns = var(returns)
     if float(var_returns) == 0.0:

@@ -17,12 +17,17 @@ finish. Nodes on disjoint pools therefore overlap; nodes sharing a pool queue on
 actors and run one after another. ``serial=True`` submits one node at a time instead (for
 measuring what the overlap buys: benchmarks/placement_concurrency.py).
 
+Every node runs through ``ModelWorker.run_op`` with its name; its op record names the body. The
+batch is split by the layout of the node's model (``Graph.dispatch_layout``, the 3D protocol):
+one chunk per data-parallel rank, the same to that rank's tensor/pipeline peers, collected from
+TP rank 0 of the last pipeline stage; a plain data-parallel model (tp = pp = 1) is a DP split.
+
 Submitting ahead: a node whose producers are still running on the *same* worker group is
-submitted at once when the producers' output sizes are known in advance (a DP_SPLIT call on an
-evenly divisible batch: every rank returns its input rows times the op's expansion). An actor
-runs its calls in submission order, so the consumer's rank r finds producer rank r's output
-ready when it starts, and the controller's round trip between the two (a wake-up, a meta fetch,
-a submission: a few ms per node) leaves the critical path. The sizes are checked against the
+submitted at once when the producers' output sizes are known in advance (an evenly divisible
+batch: every data-parallel rank returns its input rows times the op's expansion). An actor runs
+its calls in submission order, so a consumer's rank finds its producer's output ready (or being
+made by a peer that is ahead of it) when it starts, and the controller's round trip between the
+two (a wake-up, a meta fetch, a submission: a few ms per node) leaves the critical path. The sizes are checked against the
 producers' metas when they finish. What moves between nodes are ``ShardedRef``s: object refs of
 per-rank TensorDict shards that the consuming workers fetch themselves. The controller only ever
 fetches the small per-rank meta dicts (sample counts, metrics, start/end times), through
@@ -43,9 +48,9 @@ import ray
 
 from hybridflow.controller.metrics import reduce_metas
 from hybridflow.graph.dag import SOURCE, Graph, Node, samples_per_prompt
+from hybridflow.spec.layout import ParallelLayout
 from hybridflow.workers.group import WorkerGroup
 from hybridflow.workers.accounting import FETCHED_BYTES, PUT_BYTES, controller_get, fetched_tensor_bytes
-from hybridflow.workers.protocols import Dispatch
 from hybridflow.workers.sharded import ShardedRef
 
 RUN_OP = "run_op"  # the worker method every node is run through (ModelWorker.run_op)
@@ -90,20 +95,18 @@ class _Pending:
 
 
 def _predict_output(
-    group: WorkerGroup, method: str, inputs: list[ShardedRef], input_group_size: int,
-    output_group_size: int, handle,
+    layout: ParallelLayout, inputs: list[ShardedRef], input_group_size: int, output_group_size: int, handle
 ) -> ShardedRef | None:
-    """The output ShardedRef of a just-submitted DP_SPLIT call, when no rank gets padding."""
-    if group.dispatch_of(method) != Dispatch.DP_SPLIT or len(handle.data_refs) != group.world_size:
-        return None
+    """The output ShardedRef of a just-submitted node (one shard per data-parallel rank of
+    ``layout``), when no rank gets padding."""
     total = inputs[0].total
-    if total % (input_group_size * group.world_size):
+    if total % (input_group_size * layout.dp):
         return None  # uneven: padded ranks report fewer real rows
     # rows out per row in: a generate node's samples per prompt (its input is prompts, group
     # size 1); 1 for every other op (output_group_size == input_group_size)
     expansion = output_group_size // input_group_size
-    rows = total // group.world_size * expansion
-    return ShardedRef(refs=list(handle.data_refs), sizes=[rows] * group.world_size)
+    rows = total // layout.dp * expansion
+    return ShardedRef(refs=list(handle.data_refs), sizes=[rows] * layout.dp)
 
 
 def run_nodes(
@@ -149,11 +152,12 @@ def run_nodes(
                 continue
             group_size = max(size for _, size in inputs)
             data = [sharded for sharded, _ in inputs]
-            handle = group.call(RUN_OP, data, group_size=group_size, **_call_args(graph, node))
+            layout = graph.dispatch_layout(node)
+            handle = group.call(RUN_OP, data, group_size=group_size, layout=layout, **_call_args(graph, node))
             output_group_size = samples_per_prompt(graph.spec, node, group_size)
             pending[node.name] = _Pending(
                 handle, time.perf_counter(), output_group_size, group,
-                _predict_output(group, RUN_OP, data, group_size, output_group_size, handle),
+                _predict_output(layout, data, group_size, output_group_size, handle),
             )
             remaining.remove(node)
         if not pending:

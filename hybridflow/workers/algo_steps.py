@@ -7,10 +7,11 @@ in ``hybridflow.algos``. Graph keys decide the fields: an advantage node reading
 role is the op record's ``slots`` (``hybridflow.graph.ops``), checked when the graph is
 validated; ``graph_keys()`` gives each key's batch fields.
 
-Batch-wide statistics (whitening, ``scope: batch``, the mean cost of the Lagrangian, the
-critic's explained variance) are taken over the whole rollout batch: the small per-sample fields
-are all-gathered over the data-parallel group, so the result does not depend on the number of
-ranks.
+Each rank holds whole prompt groups (the DP split keeps them together), so group statistics
+are local. Batch-wide statistics (whitening, ``scope: batch``, the KL-in-reward mean, the mean
+cost of the Lagrangian, the critic's explained variance, the metrics) all-reduce their partial
+sums over the data-parallel group (``dp_sum``): no rank gathers the batch, and the result does
+not depend on the number of ranks (up to float rounding of the sums).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from hybridflow.algos import (
     clipped_value_loss,
     explained_variance,
     kl_penalty,
+    local_sum,
     masked_mean,
     safe_rlhf_advantage,
 )
+from hybridflow.algos.losses import ReduceSum
 from hybridflow.data import keys as K
 from hybridflow.data.batch import place_sequence_reward
 from hybridflow.graph.dag import Node
@@ -46,19 +49,18 @@ def _fields(node: Node, slot: str) -> tuple[str, ...] | None:
     return None if key is None else graph_keys()[key]
 
 
-def all_gather_rows(fields: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], slice]:
-    """Concatenate each field over the data-parallel ranks (rank order); this rank's row slice.
+def dp_sum(group: dist.ProcessGroup | None = None) -> ReduceSum:
+    """The ``reduce_sum`` of a batch split over the data-parallel ranks ``group``: an all-reduce
+    of the statistic's partial sums (``local_sum`` without a process group or with one rank)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return local_sum
 
-    Without an initialised process group (or with one rank) the fields come back unchanged.
-    """
-    num_rows = next(iter(fields.values())).shape[0]
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return fields, slice(0, num_rows)
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, fields)
-    start = sum(next(iter(p.values())).shape[0] for p in parts[: dist.get_rank()])
-    gathered = {k: torch.cat([p[k] for p in parts]) for k in fields}
-    return gathered, slice(start, start + num_rows)
+    def reduce_sum(sums: torch.Tensor) -> torch.Tensor:
+        sums = sums.detach().clone()
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        return sums
+
+    return reduce_sum
 
 
 def build_controllers(spec: GraphSpec, models: list[str]) -> dict[str, Any]:
@@ -89,10 +91,11 @@ def build_controllers(spec: GraphSpec, models: list[str]) -> dict[str, Any]:
 
 
 def compute_advantages(
-    batch: TensorDict, node: Node, state: dict[str, Any]
+    batch: TensorDict, node: Node, state: dict[str, Any], reduce_sum: ReduceSum = local_sum
 ) -> tuple[TensorDict, dict[str, float]]:
-    """Run the advantage node's estimator on the whole batch; returns this rank's rows and
-    metrics."""
+    """Run the advantage node's estimator on this rank's part of the batch (whole prompt
+    groups; batch statistics through ``reduce_sum``); returns its advantages and returns, and
+    metrics over the whole batch."""
     opts: AdvantageOptions = node.spec.options
     score_field = _fields(node, "score")[0]
     values_field = _fields(node, "values")
@@ -110,8 +113,6 @@ def compute_advantages(
             raise ValueError(f"advantage node {node.name!r}: kl_coef > 0 (KL in the reward) needs inputs {missing}")
         fields["old_log_probs"] = batch[K.OLD_LOG_PROBS]
         fields["ref_log_probs"] = batch[K.REF_LOG_PROBS]
-    fields, own = all_gather_rows(fields)
-
     mask = fields["response_mask"]
     token_rewards = place_sequence_reward(fields["scores"], mask)
     prefix = "cost_" if out_fields[0] == K.COST_ADVANTAGES else ""
@@ -121,25 +122,25 @@ def compute_advantages(
         kl = kl_penalty(fields.pop("old_log_probs"), fields.pop("ref_log_probs"), opts.kl_estimator)
         kl = kl * mask
         token_rewards = token_rewards - controller.value * kl
-        mean_kl = float(masked_mean(kl, mask))
+        mean_kl = float(masked_mean(kl, mask, reduce_sum))
         metrics[f"{prefix}reward_kl/mean"] = mean_kl
         metrics[f"{prefix}reward_kl/coef"] = controller.value
-        controller.update(mean_kl, num_steps=int(mask.shape[0]))
+        num_samples = int(reduce_sum(torch.tensor(float(mask.shape[0]))))
+        controller.update(mean_kl, num_steps=num_samples)
     estimator_options = opts.model_dump(exclude={"estimator", "kl_coef", "kl_estimator", "kl_target", "kl_horizon"})
     advantages, returns = ADV_ESTIMATORS.get(opts.estimator)(
-        **fields, token_rewards=token_rewards, **estimator_options
+        **fields, token_rewards=token_rewards, reduce_sum=reduce_sum, **estimator_options
     )
-    metrics[f"{prefix}advantage/abs_mean"] = float(masked_mean(advantages.abs(), mask))
-    metrics[f"{prefix}returns/mean"] = float(masked_mean(returns, mask))
+    metrics[f"{prefix}advantage/abs_mean"] = float(masked_mean(advantages.abs(), mask, reduce_sum))
+    metrics[f"{prefix}returns/mean"] = float(masked_mean(returns, mask, reduce_sum))
     result = TensorDict(
-        {out_fields[0]: advantages[own].float(), out_fields[1]: returns[own].float()},
-        batch_size=batch.batch_size,
+        {out_fields[0]: advantages.float(), out_fields[1]: returns.float()}, batch_size=batch.batch_size
     )
     return result, metrics
 
 
 def apply_safety(
-    batch: TensorDict, opts: UpdateOptions, node_state: LagrangeMultiplier
+    batch: TensorDict, opts: UpdateOptions, node_state: LagrangeMultiplier, reduce_sum: ReduceSum = local_sum
 ) -> dict[str, float]:
     """Safe-RLHF: step lambda on the batch's mean episode cost, then combine the advantages.
 
@@ -149,8 +150,9 @@ def apply_safety(
     for field in (K.COSTS, K.COST_ADVANTAGES):
         if field not in batch.keys():
             raise ValueError(f"a safety update needs '{field}' among its inputs")
-    gathered, _ = all_gather_rows({"costs": batch[K.COSTS].float()})
-    mean_cost = float(gathered["costs"].mean())
+    costs = batch[K.COSTS].float()
+    total, count = reduce_sum(torch.stack([costs.sum(), torch.tensor(float(costs.numel()))]))
+    mean_cost = float(total / count)
     lagrange_lambda = node_state.update(mean_cost)
     batch[K.ADVANTAGES] = safe_rlhf_advantage(
         batch[K.ADVANTAGES], batch[K.COST_ADVANTAGES], lagrange_lambda
@@ -188,9 +190,8 @@ def critic_loss(opts: UpdateOptions, values_field: str, returns_field: str):
     return loss_fn
 
 
-def critic_explained_variance(batch: TensorDict, values_field: str, returns_field: str) -> float:
+def critic_explained_variance(
+    batch: TensorDict, values_field: str, returns_field: str, reduce_sum: ReduceSum = local_sum
+) -> float:
     """Explained variance of the values the advantages were computed with, whole batch."""
-    gathered, _ = all_gather_rows(
-        {"v": batch[values_field], "r": batch[returns_field], "m": batch[K.RESPONSE_MASK]}
-    )
-    return explained_variance(gathered["v"], gathered["r"], gathered["m"])
+    return explained_variance(batch[values_field], batch[returns_field], batch[K.RESPONSE_MASK], reduce_sum)

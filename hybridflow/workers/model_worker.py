@@ -26,6 +26,7 @@ from hybridflow.hybrid_engine.sync import WeightSync, weight_sync
 from hybridflow.graph.dag import Graph, Node
 from hybridflow.rewards.remote import RewardSources, row_fields
 from hybridflow.spec.graph import Spec, UpdateOptions
+from hybridflow.spec.layout import RankCoords
 from hybridflow.workers import algo_steps
 from hybridflow.workers.base import Worker
 from hybridflow.workers.colocation import Colocation
@@ -114,17 +115,25 @@ class ModelWorker(Worker):
 
     # -- ops ----------------------------------------------------------------------------------
 
-    @register(Dispatch.DP_SPLIT)
-    def run_op(self, batch: TensorDict, *, node: str, options: Spec | None = None) -> tuple[TensorDict, dict]:
+    @register(Dispatch.DP_3D)
+    def run_op(
+        self, batch: TensorDict, *, node: str, coords: RankCoords, options: Spec | None = None
+    ) -> tuple[TensorDict, dict]:
         """Run graph node ``node`` on this rank's part of its batch, through the method its op
-        record names. ``options``: this call's options when they differ from the node's in the
-        graph (validation generates greedily)."""
+        record names. The batch is this rank's data-parallel chunk under the node's layout
+        (``Graph.dispatch_layout``; ``coords``: where this rank sits in it), the same on every
+        tensor/pipeline peer. ``options``: this call's options when they differ from the
+        node's in the graph (validation generates greedily)."""
         resolved = self.graph.node(node)
         if options is not None:
             resolved = replace(resolved, spec=resolved.spec.model_copy(update={"options": options}))
         self.colocation.activate(resolved.model)  # the idle models' state goes to CPU memory
         body = getattr(self, self.graph.op(resolved).method_for(resolved.role))
         return body(batch, resolved)
+
+    def _dp_group(self, model: str):
+        """The ranks that split ``model``'s batches between them (a rule model's: all)."""
+        return self.train_engines[model].dp_group if model in self.train_engines else None
 
     def _temperature(self) -> float:
         """The actor's sampling temperature: forwards score the responses under it."""
@@ -223,7 +232,8 @@ class ModelWorker(Worker):
         return result, {"metrics": metrics}
 
     def advantage(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
-        result, metrics = algo_steps.compute_advantages(batch, node, self.extra_state)
+        reduce_sum = algo_steps.dp_sum(self._dp_group(node.model))
+        result, metrics = algo_steps.compute_advantages(batch, node, self.extra_state, reduce_sum)
         return result, {"metrics": metrics}
 
     def update_critic(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
@@ -232,7 +242,7 @@ class ModelWorker(Worker):
         loss_fn = algo_steps.critic_loss(opts, values_field, returns_field)
         metrics = self._train(batch, node, loss_fn)
         metrics[f"{node.model}/explained_var"] = algo_steps.critic_explained_variance(
-            batch, values_field, returns_field
+            batch, values_field, returns_field, algo_steps.dp_sum(self._dp_group(node.model))
         )
         return TensorDict({}, batch_size=batch.batch_size), {"metrics": metrics}
 
@@ -242,12 +252,13 @@ class ModelWorker(Worker):
         model = node.model
         extra: dict[str, float] = {}
         if opts.safety is not None:
-            extra.update(algo_steps.apply_safety(batch, opts, self.extra_state[f"lagrange/{node.name}"]))
+            lagrange = self.extra_state[f"lagrange/{node.name}"]
+            extra.update(algo_steps.apply_safety(batch, opts, lagrange, algo_steps.dp_sum(self._dp_group(model))))
         rollout_stats = ConsistencyStats()
         metrics = self._train(batch, node, self._policy_loss(opts, rollout_stats), rollout_stats)
         metrics.update(extra)
         # Same numbers on every rank (reduced over the DP group): all ranks stop together.
-        consistency = rollout_stats.reduce(self.train_engines[model].dp_group)
+        consistency = rollout_stats.reduce(self._dp_group(model))
         metrics.update({f"actor/{k}": v for k, v in consistency.items()})
         rollout = self.spec.models[model].rollout
         if rollout is not None:

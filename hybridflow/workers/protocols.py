@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
-from hybridflow.spec.layout import ParallelLayout
+from hybridflow.spec.layout import ParallelLayout, RankCoords
 from hybridflow.workers.accounting import count_put
 from hybridflow.workers.sharded import (
     NUM_SAMPLES,
@@ -260,6 +260,8 @@ def _dp_pack(method_name: str, result: Any, share: DpShare) -> tuple[TensorDictB
         )
     # Padding rows are last in the input, so their outputs are last too (also after an n-fold
     # expansion like generate's, which keeps each prompt's samples together).
+    if not share.collected:  # a 3D peer of the collected rank: its equal output stays here
+        batch = TensorDict({}, batch_size=batch.batch_size)
     stored = to_wire(batch)
     count_put(stored)
     return stored, {**meta, NUM_SAMPLES: share.num_valid * (rows_out // rows_in)}
@@ -292,13 +294,19 @@ def _3d_split(num_ranks: int, args: tuple, kwargs: dict) -> list[tuple[Any, dict
     out = []
     for rank in range(num_ranks):
         coords = layout.coords(rank)
-        out.append((shares[coords.dp_rank], {**kwargs, "coords": coords}))
+        share = replace(shares[coords.dp_rank], collected=_collected(coords))
+        out.append((share, {**kwargs, "coords": coords}))
     return out
+
+
+def _collected(coords: RankCoords) -> bool:
+    """Whether a 3D call collects this rank's output: TP rank 0 of the last pipeline stage."""
+    return coords.tp_rank == 0 and coords.is_last_stage
 
 
 def _3d_select(num_ranks: int, kwargs: dict) -> list[int]:
     layout = _layout_of("DP_3D", num_ranks, kwargs)
-    collected = [c for c in map(layout.coords, range(num_ranks)) if c.tp_rank == 0 and c.is_last_stage]
+    collected = [c for c in map(layout.coords, range(num_ranks)) if _collected(c)]
     return [c.rank for c in sorted(collected, key=lambda c: c.dp_rank)]  # DP order = sample order
 
 

@@ -134,11 +134,14 @@ def plan_split(
 @dataclass(frozen=True)
 class DpShare:
     """One DP rank's part of a split: ``pieces[input_index]`` (real rows, then padding rows),
-    how many of its rows are real, and whether the rank needs the non-tensor fields."""
+    how many of its rows are real, whether the rank needs the non-tensor fields, and whether
+    its output is collected (a 3D call collects one rank per DP group; the others return no
+    data)."""
 
     pieces: list[list[Piece]]
     num_valid: int
     with_text: bool = True
+    collected: bool = True
 
 
 def plan_padded_split(

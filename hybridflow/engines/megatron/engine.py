@@ -16,11 +16,10 @@ left by its number of left-pad tokens before the forward: valid tokens then sit 
 exactly HF's positions, and a plain causal mask keeps them from seeing the trailing padding. The
 response logits are read back at the rolled positions.
 
-Batches: like the torch engine, each rank is given *its own* samples (``Dispatch.DP_SPLIT`` over
-all ranks). The ranks of one model-parallel group (TP x PP, one data-parallel replica) first
-all-gather their pieces, run the union through the model together, and each returns the outputs
-of its own piece. ``same_batch_on_model_parallel_ranks=True`` skips the gather for callers that
-already give every rank of a model-parallel group the same batch (``Dispatch.DP_3D``).
+Batches: every rank of one model-parallel group (TP x PP, one data-parallel replica) is given
+the same batch, its replica's chunk (``Dispatch.DP_3D``: the workers split by the layout's
+data-parallel rank and collect TP rank 0 of the last stage), and runs it through the model with
+its peers; outputs are returned on every rank.
 
 Weights: the parameters are views of one flat tensor per rank, ``shard_buffer``, laid out by
 ``convert.shard_specs`` and set before megatron's DDP and optimizer take them. The
@@ -116,7 +115,6 @@ class MegatronTrainEngine(TrainEngine):
         total_steps: int | None = None,
         kind: ModelKind = "policy",
         seed: int = 0,
-        same_batch_on_model_parallel_ranks: bool = False,
     ) -> None:
         if kind != "policy":
             raise NotImplementedError("train.engine 'megatron' holds policy models (LM head) only")
@@ -191,7 +189,6 @@ class MegatronTrainEngine(TrainEngine):
             [self.model],
         )
         self.step_count = 0
-        self.same_batch = same_batch_on_model_parallel_ranks
 
     @classmethod
     def build(
@@ -211,18 +208,6 @@ class MegatronTrainEngine(TrainEngine):
 
     def reload(self) -> int:
         return 0
-
-    def _model_parallel_union(self, batch: TensorDict) -> tuple[TensorDict, slice]:
-        """The samples of every rank of this model-parallel group, and where ours sit in it."""
-        num = batch.batch_size[0]
-        if self.same_batch or self.train_layout.tp * self.train_layout.pp == 1:
-            return batch, slice(0, num)
-        tensors = batch.select(*[k for k, v in batch.items() if isinstance(v, Tensor)])
-        pieces: list = [None] * (self.train_layout.tp * self.train_layout.pp)
-        group = self.ps.get_model_parallel_group()
-        dist.all_gather_object(pieces, tensors, group=group)
-        start = sum(p.batch_size[0] for p in pieces[: dist.get_rank(group)])
-        return torch.cat(pieces), slice(start, start + num)
 
     # -- the pipeline schedule ----------------------------------------------------------------
 
@@ -299,15 +284,15 @@ class MegatronTrainEngine(TrainEngine):
 
     @torch.no_grad()
     def forward(self, batch: TensorDict, temperature: float = 1.0) -> dict[str, Tensor]:
-        """``{"log_probs", "entropy"}`` (B, R) float32 of ``responses`` under logits / temperature."""
-        batch, own = self._model_parallel_union(batch)
+        """``{"log_probs", "entropy"}`` (B, R) float32 of ``responses`` under logits / temperature
+        (``batch``: this replica's samples, the same on every model-parallel rank)."""
         self.model.eval()
         try:
             store = self._run_schedule(batch, temperature, None, {})
         finally:
             self.model.train()
         parts = self._from_last_stage(store if self.coords.is_last_stage else None)
-        return {key: torch.cat([p[key] for p in parts])[own].cpu() for key in parts[0]}
+        return {key: torch.cat([p[key] for p in parts]).cpu() for key in parts[0]}
 
     def _all_reduce_dp(self, values: Tensor) -> Tensor:
         """Sum over the data-parallel group (on the engine's device: nccl takes CUDA tensors)."""
@@ -318,8 +303,8 @@ class MegatronTrainEngine(TrainEngine):
         return values
 
     def train_step(self, batch: TensorDict, loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
-        """One optimizer step; metrics as :meth:`TorchTrainEngine.train_step`."""
-        batch, _ = self._model_parallel_union(batch)
+        """One optimizer step over this replica's part of a mini-batch (the same on every
+        model-parallel rank); metrics as :meth:`TorchTrainEngine.train_step`."""
         assert batch.batch_size[0] > 0, "every data-parallel replica needs at least one sample"
         counts = self._all_reduce_dp(
             torch.stack([batch[K.RESPONSE_MASK].sum(), torch.tensor(batch.batch_size[0])]).to(torch.float64)
