@@ -14,7 +14,8 @@ from hybridflow.data.batch import build_rollout_fields, place_sequence_reward, r
 from hybridflow.engines.base import SamplingParams
 from hybridflow.engines.hf_rollout import HFRolloutEngine
 from hybridflow.engines.models import build_causal_lm, build_value_model
-from hybridflow.engines.torch_engine import TorchTrainEngine, lr_factor
+from hybridflow.engines.schedule import lr_factor
+from hybridflow.engines.torch_engine import TorchTrainEngine
 from hybridflow.graph.ops import graph_keys
 from hybridflow.spec.graph import ModelSource, OptimSpec, TrainEngineSpec
 
@@ -331,3 +332,18 @@ def test_torch_engine_contract_on_cpu():
     state = engine.state_dict()
     assert set(state) == {"model", "optimizer", "scheduler"}
     engine.load_state_dict(state)
+
+
+def test_the_engines_share_one_schedule_module_and_not_each_other():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, hybridflow.engines.megatron.engine as m, hybridflow.engines.torch_engine as t, "
+        "hybridflow.engines.schedule as s; "
+        "print(m.lr_factor is s.lr_factor is t.lr_factor); "
+        "del sys.modules['hybridflow.engines.torch_engine']; import importlib; "
+        "importlib.reload(m); print('hybridflow.engines.torch_engine' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False"]  # the megatron engine imports no torch engine

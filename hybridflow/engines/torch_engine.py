@@ -24,23 +24,8 @@ from hybridflow.algos import entropy_from_logits, log_probs_from_logits
 from hybridflow.data import keys as K
 from hybridflow.engines.base import LossFn, ModelKind, TrainEngine
 from hybridflow.engines.packing import pack
-from hybridflow.spec.graph import OptimSpec, TrainEngineSpec
-
-
-def lr_factor(step: int, optim: OptimSpec, total_steps: int) -> float:
-    """LR multiplier for 0-based optimizer step ``step``.
-
-    Warm-up: ``(step + 1) / warmup_steps`` for the first ``warmup_steps`` steps. Then 1
-    (constant) or a cosine from 1 at step ``warmup_steps`` towards ``min_lr_ratio`` at step
-    ``total_steps``, held there after.
-    """
-    if step < optim.warmup_steps:
-        return (step + 1) / optim.warmup_steps
-    if optim.schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * cosine
+from hybridflow.engines.schedule import lr_factor
+from hybridflow.spec.graph import TrainEngineSpec
 
 
 # (model class, config) pairs whose forward passed the probe: the actor, the reference and a

@@ -57,7 +57,7 @@ from hybridflow.engines.megatron.convert import (
 )
 from hybridflow.engines.megatron.model import build_gpt_model, load_megatron_state
 from hybridflow.engines.shards import TrainShardBuffer
-from hybridflow.engines.torch_engine import lr_factor
+from hybridflow.engines.schedule import lr_factor
 from hybridflow.spec.graph import TrainEngineSpec
 from hybridflow.spec.layout import ParallelLayout
 
