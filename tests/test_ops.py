@@ -164,4 +164,12 @@ def test_a_new_op_defined_in_one_module_runs_in_a_graph_on_ray(ray_session, tmp_
     assert bonus.shape == (8,) and torch.equal(bonus, 0.5 * lengths)
     assert len(result.outputs["bonus"].metas) == 2  # both data-parallel ranks ran the body
     assert result.metrics["bonus/mean"] == pytest.approx(float(0.5 * lengths.mean()))
+    # What crossed the object store: the bonus ranks put 8 float32 values, and fetched the
+    # rollout shards they read; the iteration's totals are the timeline's sums.
+    put = {e["node"]: 0 for e in result.timeline}
+    for event in result.timeline:
+        put[event["node"]] += event["put_bytes"]
+    assert put["bonus"] == 8 * 4 and put["generate"] > 0
+    assert result.metrics["transfer/put_bytes"] == sum(put.values())
+    assert result.metrics["transfer/fetched_bytes"] == sum(e["fetched_bytes"] for e in result.timeline) > 0
 

@@ -35,7 +35,8 @@ fetches the small per-rank meta dicts (sample counts, metrics, start/end times),
 the iteration (0 on a healthy graph).
 
 The timeline (``IterationResult.timeline``) holds one entry per node and rank with worker-side
-wall-clock start/end; ``chrome_trace`` turns it into Chrome-trace JSON (chrome://tracing,
+wall-clock start/end and the tensor bytes the rank fetched from and put into the object store
+(``transfer/fetched_bytes`` / ``transfer/put_bytes`` are their sums per iteration); ``chrome_trace`` turns it into Chrome-trace JSON (chrome://tracing,
 Perfetto): one process row per pool, one thread row per rank.
 """
 
@@ -180,8 +181,6 @@ def run_nodes(
             results[name] = NodeResult(data, waiting.group_size, metas, waiting.started, time.perf_counter())
             del pending[name]
 
-    for key, metric in TRANSFER_METRICS.items():
-        result.metrics[metric] = float(sum(m.get(key, 0) for metas in rank_metas.values() for m in metas))
     for node in nodes:
         node_result = results[node.name]
         result.outputs[node.name] = node_result
@@ -193,8 +192,11 @@ def run_nodes(
         for rank, meta in enumerate(rank_metas[node.name]):
             result.timeline.append(
                 {"node": node.name, "pool": graph.placement[node.model],
-                 "rank": meta.get("rank", rank), "start": meta["t_start"], "end": meta["t_end"]}
+                 "rank": meta.get("rank", rank), "start": meta["t_start"], "end": meta["t_end"],
+                 **{key: meta.get(key, 0) for key in TRANSFER_METRICS}}
             )
+    for key, metric in TRANSFER_METRICS.items():
+        result.metrics[metric] = float(sum(event[key] for event in result.timeline))
     result.metrics[FETCHED_BYTES_METRIC] = float(fetched_tensor_bytes() - fetched_before)
     return result
 
@@ -226,7 +228,11 @@ def chrome_trace(timeline: list[dict], iteration: int | None = None) -> dict:
                 "tid": event["rank"],
                 "ts": (event["start"] - origin) * 1e6,
                 "dur": (event["end"] - event["start"]) * 1e6,
-                "args": {"iteration": iteration, "wall_start": event["start"]},
+                "args": {
+                    "iteration": iteration,
+                    "wall_start": event["start"],
+                    **{key: event[key] for key in TRANSFER_METRICS if key in event},
+                },
             }
         )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
