@@ -185,3 +185,84 @@ def test_run_into_a_dir_that_holds_a_run_is_refused(tmp_path, capsys, monkeypatc
     )
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
     assert (run_dir / "metrics.jsonl").read_text() == '{"iteration": 1}\n'
+
+
+# -- the three first-run trips of issue 17 ---------------------------------------------------------
+
+
+def test_validate_applies_overrides_to_every_file(capsys):
+    """Arguments with '=' are overrides (as for `run`), applied to each graph file given."""
+    assert main(["validate", "graphs/grpo.yaml", "models.actor.rollout.engine=vllm"]) == 0
+    assert capsys.readouterr().out == "graphs/grpo.yaml: ok (6 nodes, 3 models)\n"
+    files = ["graphs/grpo.yaml", "graphs/rloo.yaml"]
+    assert main(["validate", *files, "trainer.iterations=3"]) == 0
+    # An override every file rejects: the first file names it (applied, not taken for a file).
+    assert main(["validate", *files, "data.prompts_per_iteration=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "graphs/grpo.yaml: data.prompts_per_iteration" in err
+    assert main(["validate", "trainer.iterations=3"]) == 2
+    assert "no graph file" in capsys.readouterr().err
+
+
+def test_validate_command_with_override_exits_0():
+    done = _cli("validate", "graphs/grpo.yaml", "models.actor.rollout.engine=vllm")
+    assert done.returncode == 0, done.stderr
+    assert "ok" in done.stdout
+
+
+@pytest.mark.parametrize("size", [None, "7b"])
+def test_plan_scales_the_batch_to_the_chosen_layout(capsys, size):
+    """`hybridflow plan graphs/ppo.yaml --pool resource_pools/a100_16x8.yaml`: 32 prompts do not
+    split over the 128 GPUs' data-parallel ranks; the batch grows to the fewest that the chosen
+    plan splits evenly, said in one line, and the plan is printed."""
+    import re
+
+    from hybridflow.graph.batching import _batch_problem, smallest_even_batch
+    from hybridflow.graph.dag import build_graph
+    from hybridflow.placement.automapper import plan_dp, plan_even_batch
+    from hybridflow.spec.loading import load_graph_spec
+
+    pool_file = "resource_pools/a100_16x8.yaml"
+    args = ["plan", "graphs/ppo.yaml", "--pool", pool_file, *(["--model-size", size] if size else [])]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if line.startswith("batch scaled:")]
+    prompts = int(re.search(r"32 -> (\d+) prompts", line).group(1))
+    assert f"data.prompts_per_iteration={prompts}" in line and "plan: " in out
+
+    spec = load_graph_spec(ROOT / "graphs" / "ppo.yaml")
+    graph = build_graph(spec, ROOT / "graphs" / "ppo.yaml", ROOT / pool_file, check_batch=False)
+    _, plans, found = plan_even_batch(graph, graph.pools["default"], size)
+    dp = plan_dp(plans[0])
+    assert found == prompts == smallest_even_batch(spec, dp) and max(dp.values()) > 1
+    assert _batch_problem(spec, prompts, dp) is None
+    assert all(_batch_problem(spec, p, dp) is not None for p in range(32, prompts))
+
+
+def test_auto_placement_in_a_run_refuses_a_batch_its_plan_cannot_split(capsys, tmp_path):
+    """`placement: auto` never changes the batch: one line naming both fixes, before any start."""
+    code = main(["run", "graphs/ppo.yaml", "placement=auto", "--pools", "resource_pools/a100_16x8.yaml",
+                 "--run-dir", str(tmp_path / "run")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "graphs/ppo.yaml: placement: auto:" in err
+    assert "does not split 32 prompts" in err
+    assert "set data.prompts_per_iteration=" in err and "place the models yourself" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_summary_prints_as_a_table():
+    from hybridflow.cli.main import format_summary
+
+    summary = {"run_dir": "runs/x", "iterations": 2, "reward_first10": 0.08812, "reward_last10": 0.5,
+               "val_reward_final": None, "restarts": 0, "seconds": 3.5}
+    assert format_summary(summary).splitlines() == [
+        "run summary",
+        "  run_dir           runs/x",
+        "  iterations        2",
+        "  reward_first10    0.0881",
+        "  reward_last10     0.5",
+        "  val_reward_final  -",
+        "  restarts          0",
+        "  seconds           3.5",
+    ]

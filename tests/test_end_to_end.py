@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,7 +70,8 @@ def test_cli_run_smoke(tmp_path):
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "'iterations': 2" in out.stdout
+    assert re.search(r"^  iterations +2$", out.stdout, re.M), out.stdout
+    assert "reward_first10" in out.stdout and "{'" not in out.stdout
     assert (tmp_path / "cli" / "actor" / "config.json").is_file()
     assert len((tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()) == 2
 

@@ -3,7 +3,7 @@
     hybridflow run graphs/grpo.yaml [key.path=value ...] [--pools FILE] [--address ADDR]
                                     [--run-dir DIR] [--resume]
     hybridflow serve-reward MODULE:FUNCTION [--host H] [--port P] [--max-request-bytes N]
-    hybridflow validate graphs/*.yaml
+    hybridflow validate graphs/*.yaml [key.path=value ...] [--pools FILE]
     hybridflow graph graphs/grpo.yaml
     hybridflow plan graphs/grpo.yaml [--pool FILE] [--model-size 7b]
     hybridflow schema [graph|pool] [--out-dir DIR]
@@ -42,7 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     validate = sub.add_parser("validate", help="check graph files without starting anything")
-    validate.add_argument("graphs", nargs="+")
+    validate.add_argument(
+        "graphs", nargs="+", metavar="GRAPH_OR_OVERRIDE",
+        help="graph files; arguments with '=' are overrides (as for `run`) applied to every file",
+    )
     validate.add_argument("--pools", help="resource-pool file to validate placement against")
 
     graph = sub.add_parser("graph", help="print a graph's nodes, keys and placement")
@@ -86,8 +89,12 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_validate(args: argparse.Namespace) -> int:
     from hybridflow.graph.dag import load_graph
 
-    for path in args.graphs:
-        graph = load_graph(path, pools_file=args.pools)
+    overrides = [a for a in args.graphs if "=" in a]
+    paths = [a for a in args.graphs if "=" not in a]
+    if not paths:
+        raise SpecError("validate", "", f"no graph file given, only overrides {overrides}")
+    for path in paths:
+        graph = load_graph(path, overrides, pools_file=args.pools)
         print(f"{path}: ok ({len(graph.nodes)} nodes, {len(graph.spec.models)} models)")
     return 0
 
@@ -111,18 +118,20 @@ def _cmd_graph(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import time
 
-    from hybridflow.graph.dag import load_graph
-    from hybridflow.placement.automapper import mapper_for_pool
+    from hybridflow.graph.dag import build_graph
+    from hybridflow.placement.automapper import plan_dp, plan_even_batch
+    from hybridflow.spec.loading import load_graph_spec
 
-    graph = load_graph(args.graph, args.overrides, pools_file=args.pool)
+    # The batch is checked against the plan's layouts, not the whole pool's: plan_even_batch.
+    spec = load_graph_spec(args.graph, args.overrides)
+    graph = build_graph(spec, args.graph, args.pool, check_batch=False)
     pool_name = next(iter(graph.pools))
     pool = graph.pools[pool_name]
+    started = time.perf_counter()
     try:
-        mapper = mapper_for_pool(graph, pool, args.model_size)
+        mapper, plans, prompts = plan_even_batch(graph, pool, args.model_size, keep=1 + args.top)
     except ValueError as exc:
         raise SpecError(args.pool or graph.spec.resources, f"pools.{pool_name}.profile", str(exc)) from None
-    started = time.perf_counter()
-    plans = mapper.search(keep=1 + args.top)
     seconds = time.perf_counter() - started
     print(
         f"pool {pool_name!r}: {pool.num_devices} x {pool.device} ({mapper.sim.profile.name}), "
@@ -130,9 +139,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     )
     if not plans:
         raise SpecError(graph.file, "models", f"the models do not fit on pool {pool_name!r} in any placement")
+    if prompts != spec.data.prompts_per_iteration:
+        ranks = ", ".join(f"{m} dp={d}" for m, d in plan_dp(plans[0]).items())
+        print(
+            f"batch scaled: {spec.data.prompts_per_iteration} -> {prompts} prompts per iteration, "
+            f"the fewest this plan's data-parallel ranks split evenly ({ranks}); run it with "
+            f"data.prompts_per_iteration={prompts}"
+        )
     print(plans[0].describe())
     if len(plans) > 1:
-        print("runners-up:")
+        print("runners-up:" if prompts == spec.data.prompts_per_iteration
+              else f"runners-up (scored at {spec.data.prompts_per_iteration} prompts):")
         for plan in plans[1 : 1 + args.top]:
             print(f"  {plan.total:10.4g} s  {plan.key()}")
     return 0
@@ -147,9 +164,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from hybridflow.controller.trainer import Trainer
 
     trainer = Trainer(graph, address=args.address, run_dir=args.run_dir, resume=args.resume)
-    summary = trainer.fit()
-    print(summary)
+    print(format_summary(trainer.fit()))
     return 0
+
+
+def format_summary(summary: dict) -> str:
+    """The end-of-run summary as a two-column table, one key per row."""
+    def shown(value) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:.4f}".rstrip("0").rstrip(".") if abs(value) < 1e6 else f"{value:.4g}"
+        return str(value)
+
+    width = max(len(key) for key in summary)
+    rows = [f"  {key:<{width}}  {shown(value)}" for key, value in summary.items()]
+    return "\n".join(["run summary", *rows])
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:

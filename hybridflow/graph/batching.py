@@ -18,6 +18,7 @@ samples over the mini-batches.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hybridflow.spec.graph import GraphSpec
@@ -73,36 +74,58 @@ def _actor(spec: GraphSpec) -> str:
     return next(name for name, m in spec.models.items() if m.role == "actor")
 
 
-def batch_plan(spec: GraphSpec, layouts: dict[str, ParallelLayout], file: str) -> BatchPlan:
-    """Derive the batch plan and check it divides; ``SpecError`` naming the field otherwise."""
-    prompts = spec.data.prompts_per_iteration
+def _batch_problem(spec: GraphSpec, prompts: int, dp_of: Mapping[str, int]) -> tuple[str, str] | None:
+    """``(field, message)`` of the first batch size that does not divide over the data-parallel
+    ranks ``dp_of`` (model -> dp) at ``prompts`` prompts per iteration; None when all divide."""
     rollout = spec.models[_actor(spec)].rollout
     n = rollout.n if rollout is not None else 1
     for model in dict.fromkeys(node.model for node in spec.nodes):
-        dp = layouts[model].dp
+        dp = dp_of[model]
         if prompts % dp:
-            raise SpecError(
-                file,
-                "data.prompts_per_iteration",
+            return "data.prompts_per_iteration", (
                 f"{prompts} prompts do not split evenly over the {dp} data-parallel ranks of model "
-                f"{model!r}; use a multiple of {dp}",
+                f"{model!r}; use a multiple of {dp}"
             )
-    updates = []
     for i, node in enumerate(spec.nodes):
         if node.op != "update":
             continue
-        dp = layouts[node.model].dp
+        dp = dp_of[node.model]
         per_rank = prompts * n // dp
-        mini_batches = node.options.mini_batches
-        if per_rank % mini_batches:
-            raise SpecError(
-                file,
-                f"nodes[{i}].options.mini_batches",
-                f"node {node.name!r}: {mini_batches} mini-batches do not divide the {per_rank} samples per rank "
-                f"({prompts} prompts x {n} samples / {dp} ranks)",
+        if per_rank % node.options.mini_batches:
+            return f"nodes[{i}].options.mini_batches", (
+                f"node {node.name!r}: {node.options.mini_batches} mini-batches do not divide the "
+                f"{per_rank} samples per rank ({prompts} prompts x {n} samples / {dp} ranks)"
             )
+    return None
+
+
+def smallest_even_batch(spec: GraphSpec, dp_of: Mapping[str, int]) -> int:
+    """The fewest prompts per iteration, no fewer than the graph's, that split evenly over the
+    data-parallel ranks ``dp_of`` (model -> dp) as ``batch_plan`` requires."""
+    step = math.lcm(*(dp_of[node.model] for node in spec.nodes))
+    prompts = -(-spec.data.prompts_per_iteration // step) * step
+    # Terminates: step * (the lcm of the mini-batch counts) always divides.
+    while _batch_problem(spec, prompts, dp_of) is not None:
+        prompts += step
+    return prompts
+
+
+def batch_plan(spec: GraphSpec, layouts: dict[str, ParallelLayout], file: str) -> BatchPlan:
+    """Derive the batch plan and check it divides; ``SpecError`` naming the field otherwise."""
+    prompts = spec.data.prompts_per_iteration
+    problem = _batch_problem(spec, prompts, {m: layout.dp for m, layout in layouts.items()})
+    if problem is not None:
+        raise SpecError(file, *problem)
+    rollout = spec.models[_actor(spec)].rollout
+    n = rollout.n if rollout is not None else 1
+    updates = []
+    for node in spec.nodes:
+        if node.op != "update":
+            continue
+        dp = layouts[node.model].dp
+        mini_batches = node.options.mini_batches
+        per_rank_step = prompts * n // dp // mini_batches
         micro = spec.models[node.model].train.micro_batch_size
-        per_rank_step = per_rank // mini_batches
         updates.append(
             UpdatePlan(
                 node=node.name,
@@ -111,7 +134,7 @@ def batch_plan(spec: GraphSpec, layouts: dict[str, ParallelLayout], file: str) -
                 mini_batches=mini_batches,
                 epochs=node.options.epochs,
                 micro_batch_size=micro,
-                samples_per_rank=per_rank,
+                samples_per_rank=prompts * n // dp,
                 samples_per_step=per_rank_step * dp,
                 samples_per_rank_step=per_rank_step,
                 micro_batches_per_step=math.ceil(per_rank_step / micro),

@@ -271,11 +271,13 @@ def build_graph(
     file: str | Path = "<python graph>",
     pools_file: str | Path | None = None,
     planner: Planner | None = None,
+    check_batch: bool = True,
 ) -> Graph:
     """Validate ``spec`` and derive its DAG. Raises ``SpecError`` (one line) on any mistake.
 
     ``placement: auto`` is resolved by ``planner`` when given, else colocates every model on the
-    first pool.
+    first pool. ``check_batch=False`` leaves out the batch-size divisibility check (for the
+    planner's own use: ``hybridflow plan`` scales the batch to the plan it finds).
     """
     file = str(file)
     if not any(m.role == "actor" for m in spec.models.values()):
@@ -292,7 +294,9 @@ def build_graph(
     pool_path = resolve_relative(str(pools_file or spec.resources), file if Path(file).is_file() else None)
     pools = dict(load_pools(pool_path).pools)
     placement, layouts = _resolve_placement(spec, pools, file, str(pool_path))
-    batch_plan(spec, layouts, file)  # batch sizes must divide over the layouts
+    planned = spec.placement == "auto" and planner is not None
+    if check_batch and not planned:  # a planned placement is checked once it is known
+        batch_plan(spec, layouts, file)  # batch sizes must divide over the layouts
     graph = Graph(
         spec=spec,
         file=file,
@@ -303,11 +307,12 @@ def build_graph(
         layouts=layouts,
         ops={op: OPS[op] for op in dict.fromkeys(n.op for n in nodes)},
     )
-    if spec.placement == "auto" and planner is not None:
+    if planned:
         placement, pools = planner(graph)
         explicit = spec.model_copy(update={"placement": placement})
         placement, layouts = _resolve_placement(explicit, pools, file, str(pool_path))
-        batch_plan(spec, layouts, file)
+        if check_batch:
+            batch_plan(spec, layouts, file)
         graph = replace(graph, pools=pools, placement=placement, layouts=layouts)
     return graph
 

@@ -18,11 +18,12 @@ Imports no Ray: ``hybridflow plan`` and graph validation stay light.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import networkx as nx
 
+from hybridflow.graph.batching import smallest_even_batch
 from hybridflow.placement.profiles import HardwareProfile, ModelArch, arch_from_hf_config, get_profile, model_size
 from hybridflow.spec.layout import GenerationLayout
 from hybridflow.placement.simulator import (
@@ -33,6 +34,7 @@ from hybridflow.placement.simulator import (
     Workload,
     all_partitions,
 )
+from hybridflow.spec.loading import SpecError
 
 
 @dataclass(frozen=True)
@@ -195,13 +197,24 @@ class AutoMapper:
                     best = (seconds, layout, static, transient)
             if best is not None:
                 layouts[m], statics[m] = best[1], best[2]
+        return self._scored_set(tuple(models), n, layouts)
+
+    def _scored_set(self, models: tuple[str, ...], n: int, layouts: dict[str, Layout]) -> SetPlan:
+        """A colocated set with its layouts fixed: op times and memory per device."""
+        usable = self.sim.usable_memory()
+        infos = {m: self.graph.models[m] for m in models}
+        static = sum(self.sim.static_memory(infos[m], layouts[m]) for m in models)
         node_times = {}
         for m in models:
-            info = self.graph.models[m]
-            free = self._kv_free(info, layouts[m], usable - sum(statics.values()))
+            free = self._kv_free(infos[m], layouts[m], usable - static)
             node_times.update(self.model_time(m, layouts[m], free))
-        transient = max(self.sim.transient_memory(self.graph.models[m], layouts[m]) for m in models)
-        return SetPlan(tuple(models), n, dict(layouts), node_times, sum(statics.values()) + transient)
+        transient = max(self.sim.transient_memory(infos[m], layouts[m]) for m in models)
+        return SetPlan(models, n, dict(layouts), node_times, static + transient)
+
+    def score(self, plan: Plan) -> Plan:
+        """``plan``'s placement and layouts scored under this mapper's graph and workload (e.g.
+        another batch size)."""
+        return self._combine([self._scored_set(s.models, s.devices, s.layouts) for s in plan.sets])
 
     # -- plans ----------------------------------------------------------------------------------
 
@@ -365,6 +378,39 @@ def plan_for_pool(graph, pool, model_size_name: str | None = None, base_dir: str
     return mapper, mapper.search()
 
 
+def plan_dp(plan: Plan) -> dict[str, int]:
+    """Model -> its data-parallel size in ``plan``."""
+    return {m: s.layouts[m].d for s in plan.sets for m in s.models}
+
+
+def with_prompts(graph, prompts: int):
+    """``graph`` with ``data.prompts_per_iteration`` set to ``prompts`` (nothing else changes)."""
+    spec = graph.spec
+    data = spec.data.model_copy(update={"prompts_per_iteration": prompts})
+    return replace(graph, spec=spec.model_copy(update={"data": data}))
+
+
+def plan_even_batch(graph, pool, model_size_name: str | None = None, keep: int = 10,
+                    base_dir: str | Path = ".") -> tuple[AutoMapper, list[Plan], int]:
+    """Search as :meth:`AutoMapper.search`, then scale the batch to the best plan: the fewest
+    prompts per iteration, no fewer than the graph's, that its data-parallel ranks split evenly.
+    The best plan (same placement and layouts) is scored again at that batch; the runners-up
+    keep their scores at the graph's batch.
+
+    Returns the mapper of the search, the plans and the prompts per iteration of the best one.
+    """
+    mapper = mapper_for_pool(graph, pool, model_size_name, base_dir)
+    plans = mapper.search(keep)
+    prompts = graph.spec.data.prompts_per_iteration
+    if not plans:
+        return mapper, plans, prompts
+    needed = smallest_even_batch(graph.spec, plan_dp(plans[0]))
+    if needed != prompts:
+        scaled = mapper_for_pool(with_prompts(graph, needed), pool, model_size_name, base_dir)
+        plans[0] = scaled.score(plans[0])
+    return mapper, plans, needed
+
+
 def split_pool(pool_name: str, pool, plan: Plan) -> tuple[dict[str, str], dict]:
     """Pools for a plan's sets, carved out of ``pool``: (model -> pool name, pool name -> PoolSpec)."""
     if len(plan.sets) == 1:
@@ -384,15 +430,29 @@ def split_pool(pool_name: str, pool, plan: Plan) -> tuple[dict[str, str], dict]:
 
 def auto_placement(graph) -> tuple[dict[str, str], dict]:
     """``build_graph``'s planner for ``placement: auto``: search over the graph's first pool and
-    carve that pool into one pool per colocated set of the best plan."""
+    carve that pool into one pool per colocated set of the best plan.
+
+    The batch is the user's: when the best plan's data-parallel ranks do not split it evenly,
+    this refuses (one line naming the batch that would fit, or a placement by hand) rather than
+    train on another batch than the one asked for.
+    """
     pool_name = next(iter(graph.pools))
     pool = graph.pools[pool_name]
     base_dir = Path(graph.file).parent if Path(graph.file).is_file() else Path(".")
     _, plans = plan_for_pool(graph, pool, base_dir=base_dir)
     if not plans:
-        from hybridflow.spec.loading import SpecError
-
         raise SpecError(graph.file, "placement", f"auto: the models do not fit on pool {pool_name!r}")
+    prompts = graph.spec.data.prompts_per_iteration
+    needed = smallest_even_batch(graph.spec, plan_dp(plans[0]))
+    if needed != prompts:
+        ranks = ", ".join(f"{m} dp={d}" for m, d in plan_dp(plans[0]).items())
+        raise SpecError(
+            graph.file, "placement",
+            f"auto: the best plan on pool {pool_name!r} ({plans[0].key()}; {ranks}) does not split "
+            f"{prompts} prompts per iteration evenly, and auto placement never changes the batch: "
+            f"set data.prompts_per_iteration={needed}, or place the models yourself "
+            "(placement: {model: pool})",
+        )
     return split_pool(pool_name, pool, plans[0])
 
 
@@ -442,5 +502,6 @@ def rlhf_plan_graph(algorithm: str, arch: ModelArch, workload: Workload) -> Plan
 
 
 __all__ = [
-    "AutoMapper", "Plan", "SetPlan", "auto_placement", "mapper_for_pool", "plan_for_pool", "plan_graph", "rlhf_plan_graph", "split_pool",
+    "AutoMapper", "Plan", "SetPlan", "auto_placement", "mapper_for_pool", "plan_dp", "plan_for_pool", "plan_graph",
+    "rlhf_plan_graph", "plan_even_batch", "split_pool",
 ]
