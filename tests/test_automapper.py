@@ -335,6 +335,25 @@ def test_split_pool_makes_whole_node_pools_for_multi_node_sets():
     assert [(p.nodes, p.devices_per_node) for p in pools.values()] == [(8, 8), (4, 8), (2, 8), (2, 8)]
 
 
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "remax", "rloo", "safe_rlhf"])
+def test_paper_scale_plan_graphs_are_the_library_graphs(algorithm):
+    """One definition per algorithm: rlhf_plan_graph's dataflow is the library graph's (which
+    tests/test_graph.py checks against graphs/*.yaml), with every model an LLM of the given
+    architecture; the graph file as planned by plan_graph has the same nodes, edges and stages."""
+    from hybridflow.graph.dag import load_graph
+
+    planned = rlhf_plan_graph(algorithm, LLAMA["7b"], PAPER)
+    from_file = plan_graph(load_graph(ROOT / "graphs" / f"{algorithm}.yaml"))
+    assert planned.nodes == from_file.nodes
+    assert {m: (i.role, i.trainable) for m, i in planned.models.items()} == {
+        m: (i.role, i.trainable) for m, i in from_file.models.items()
+    }
+    assert all(info.arch == LLAMA["7b"] and info.any_layout for info in planned.models.values())
+    assert planned.workload == PAPER
+    with pytest.raises(ValueError, match="unknown algorithm 'dpo'"):
+        rlhf_plan_graph("dpo", LLAMA["7b"], PAPER)
+
+
 def test_plan_cli_prints_the_chosen_placement(capsys):
     from hybridflow.cli.main import main
 

@@ -260,6 +260,22 @@ def _resolve_placement(
     return placement, layouts
 
 
+def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node], nx.DiGraph]:
+    """A spec's nodes (keys resolved, in a topological order) and its DAG, validated as far as
+    they go without a pool file."""
+    if not any(m.role == "actor" for m in spec.models.values()):
+        raise SpecError(file, "models", "a graph needs one model with role actor")
+    actors = [n for n, m in spec.models.items() if m.role == "actor"]
+    if len(actors) > 1:
+        raise SpecError(file, "models", f"one actor per graph, found {actors}")
+    nodes = _resolve_nodes(spec, file)
+    dag = _build_dag(nodes, file)
+    nodes = [_fill_slots(node, file, f"nodes[{i}]") for i, node in enumerate(nodes)]
+    _check_samples_per_prompt(spec, nodes, dag, file)
+    by_name = {n.name: n for n in nodes}
+    return [by_name[n] for n in nx.topological_sort(dag) if n != SOURCE], dag
+
+
 # Resolves ``placement: auto`` for a graph validated with everything on the first pool: returns
 # (model -> pool name, pool name -> PoolSpec). The auto-mapper (placement layer) is passed in by
 # the layers above, so this module never imports it.
@@ -280,17 +296,7 @@ def build_graph(
     planner's own use: ``hybridflow plan`` scales the batch to the plan it finds).
     """
     file = str(file)
-    if not any(m.role == "actor" for m in spec.models.values()):
-        raise SpecError(file, "models", "a graph needs one model with role actor")
-    actors = [n for n, m in spec.models.items() if m.role == "actor"]
-    if len(actors) > 1:
-        raise SpecError(file, "models", f"one actor per graph, found {actors}")
-    nodes = _resolve_nodes(spec, file)
-    dag = _build_dag(nodes, file)
-    nodes = [_fill_slots(node, file, f"nodes[{i}]") for i, node in enumerate(nodes)]
-    _check_samples_per_prompt(spec, nodes, dag, file)
-    order = [n for n in nx.topological_sort(dag) if n != SOURCE]
-    by_name = {n.name: n for n in nodes}
+    nodes, dag = derive_dag(spec, file)
     pool_path = resolve_relative(str(pools_file or spec.resources), file if Path(file).is_file() else None)
     pools = dict(load_pools(pool_path).pools)
     placement, layouts = _resolve_placement(spec, pools, file, str(pool_path))
@@ -300,7 +306,7 @@ def build_graph(
     graph = Graph(
         spec=spec,
         file=file,
-        nodes=tuple(by_name[n] for n in order),
+        nodes=tuple(nodes),
         dag=dag,
         pools=pools,
         placement=placement,

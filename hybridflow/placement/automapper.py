@@ -24,6 +24,8 @@ from pathlib import Path
 import networkx as nx
 
 from hybridflow.graph.batching import smallest_even_batch
+from hybridflow.graph.dag import SOURCE, derive_dag
+from hybridflow.graph.library import ALGORITHMS
 from hybridflow.placement.profiles import HardwareProfile, ModelArch, arch_from_hf_config, get_profile, model_size
 from hybridflow.spec.layout import GenerationLayout
 from hybridflow.placement.simulator import (
@@ -199,7 +201,7 @@ class AutoMapper:
                 layouts[m], statics[m] = best[1], best[2]
         return self._scored_set(tuple(models), n, layouts)
 
-    def _scored_set(self, models: tuple[str, ...], n: int, layouts: dict[str, Layout]) -> SetPlan:
+    def _scored_set(self, models: tuple[str, ...], n: int, layouts: dict[str, GenerationLayout]) -> SetPlan:
         """A colocated set with its layouts fixed: op times and memory per device."""
         usable = self.sim.usable_memory()
         infos = {m: self.graph.models[m] for m in models}
@@ -336,22 +338,6 @@ def plan_graph(graph, model_size_name: str | None = None) -> PlanGraph:
             any_layout=model_size_name is not None or m.train.engine == "megatron",
             flexible_generation=m.rollout is not None and (m.rollout.engine == "vllm" or model_size_name is not None),
         )
-    from hybridflow.graph.dag import SOURCE
-
-    depth = {SOURCE: -1}
-    for name in nx.topological_sort(graph.dag):
-        if name != SOURCE:
-            depth[name] = max(depth[src] for src, _ in graph.dag.in_edges(name)) + 1
-    nodes = tuple(
-        OpNode(
-            name=n.name,
-            op=n.op,
-            model=n.model,
-            inputs=tuple(sorted({s for s in graph.producers(n).values() if s != SOURCE})),
-            stage=depth[n.name],
-        )
-        for n in graph.nodes
-    )
     actor = spec.models[graph.actor]
     updates = [n for n in graph.nodes if n.op == "update"]
     workload = Workload(
@@ -363,7 +349,26 @@ def plan_graph(graph, model_size_name: str | None = None) -> PlanGraph:
         updates_per_epoch=max((n.spec.options.mini_batches for n in updates), default=1),
         micro_batch=1 if model_size_name else actor.train.micro_batch_size,
     )
-    return PlanGraph(models, nodes, workload)
+    return PlanGraph(models, _op_nodes(graph.nodes, graph.dag), workload)
+
+
+def _op_nodes(nodes, dag: nx.DiGraph) -> tuple[OpNode, ...]:
+    """The simulator's nodes: each graph node with the nodes it reads from and its stage (the
+    longest chain of nodes before it)."""
+    depth = {SOURCE: -1}
+    for name in nx.topological_sort(dag):
+        if name != SOURCE:
+            depth[name] = max(depth[src] for src, _ in dag.in_edges(name)) + 1
+    return tuple(
+        OpNode(
+            name=n.name,
+            op=n.op,
+            model=n.model,
+            inputs=tuple(sorted({src for src, _ in dag.in_edges(n.name) if src != SOURCE})),
+            stage=depth[n.name],
+        )
+        for n in nodes
+    )
 
 
 def mapper_for_pool(graph, pool, model_size_name: str | None = None, base_dir: str | Path = ".") -> AutoMapper:
@@ -380,7 +385,7 @@ def plan_for_pool(graph, pool, model_size_name: str | None = None, base_dir: str
 
 def plan_dp(plan: Plan) -> dict[str, int]:
     """Model -> its data-parallel size in ``plan``."""
-    return {m: s.layouts[m].d for s in plan.sets for m in s.models}
+    return {m: s.layouts[m].train.dp for s in plan.sets for m in s.models}
 
 
 def with_prompts(graph, prompts: int):
@@ -456,49 +461,25 @@ def auto_placement(graph) -> tuple[dict[str, str], dict]:
     return split_pool(pool_name, pool, plans[0])
 
 
-# -- the paper's dataflows (for paper-scale studies without graph files) -------------------------
+# -- the library's algorithms at paper scale (for studies without graph files) -------------------
 
 
 def rlhf_plan_graph(algorithm: str, arch: ModelArch, workload: Workload) -> PlanGraph:
-    """PPO, ReMax or Safe-RLHF as in the HybridFlow paper, every model of architecture ``arch``.
-
-    Stages: generation; preparation (forwards of every model on the responses); advantage;
-    training. ReMax generates twice (sampled and greedy baseline) and scores both; Safe-RLHF adds
-    a cost model scored beside the reward model.
+    """An algorithm of the library (``hybridflow.graph.library``: ppo, grpo, remax, rloo,
+    safe_rlhf) as the HybridFlow paper plans it: its graph's models and nodes, every model an LLM
+    of architecture ``arch`` (reward and cost models too, where the library's are rules), any
+    layout allowed, and the batch of ``workload`` instead of the library's.
     """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {sorted(ALGORITHMS)}")
+    spec = ALGORITHMS[algorithm]().spec()
+    nodes, dag = derive_dag(spec, f"<library graph {algorithm}>")
+    updated = {n.model for n in nodes if n.op == "update"}
     models = {
-        "actor": ModelInfo("actor", "actor", arch, trainable=True),
-        "ref": ModelInfo("ref", "ref", arch),
-        "reward": ModelInfo("reward", "reward", arch),
+        name: ModelInfo(name, model.role, arch, trainable=name in updated)
+        for name, model in spec.models.items()
     }
-    nodes = [OpNode("generate", "generate", "actor", (), 0)]
-    prep = ["old_log_prob", "ref_log_prob", "reward"]
-    nodes += [
-        OpNode("old_log_prob", "log_prob", "actor", ("generate",), 1),
-        OpNode("ref_log_prob", "log_prob", "ref", ("generate",), 1),
-    ]
-    if algorithm == "remax":
-        nodes.append(OpNode("generate_greedy", "generate", "actor", (), 0))
-        nodes.append(OpNode("reward", "score", "reward", ("generate", "generate_greedy"), 1, calls=2))
-    else:
-        nodes.append(OpNode("reward", "score", "reward", ("generate",), 1))
-    train = ["update_actor"]
-    if algorithm in ("ppo", "safe_rlhf"):
-        models["critic"] = ModelInfo("critic", "critic", arch, trainable=True)
-        nodes.append(OpNode("values", "values", "critic", ("generate",), 1))
-        prep.append("values")
-        train.append("update_critic")
-    if algorithm == "safe_rlhf":
-        models["cost"] = ModelInfo("cost", "cost", arch)
-        nodes.append(OpNode("cost", "score", "cost", ("generate",), 1))
-        prep.append("cost")
-    elif algorithm not in ("ppo", "remax"):
-        raise ValueError(f"unknown algorithm {algorithm!r}; expected ppo, remax or safe_rlhf")
-    nodes.append(OpNode("advantage", "advantage", "actor", tuple(prep), 2))
-    nodes.append(OpNode("update_actor", "update", "actor", ("advantage", "old_log_prob", "ref_log_prob"), 3))
-    if "critic" in models:
-        nodes.append(OpNode("update_critic", "update", "critic", ("advantage", "values"), 3))
-    return PlanGraph(models, tuple(nodes), workload)
+    return PlanGraph(models, _op_nodes(nodes, dag), workload)
 
 
 __all__ = [
