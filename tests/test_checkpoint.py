@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint_harness import saved_state, saved_weights
 from hybridflow.controller.checkpoint import complete_checkpoints, latest_checkpoint
 from hybridflow.graph.dag import load_graph
 
@@ -29,11 +30,6 @@ def metric_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def actor_weights(checkpoint: Path, rank: int = 0) -> dict[str, torch.Tensor]:
-    state = torch.load(checkpoint / "pool_default" / f"rank_{rank:05d}.pt", weights_only=False)
-    return state["engines"]["actor"]["model"]
-
-
 def inject(trainer, target: str, count: int = 1) -> None:
     import ray
 
@@ -42,7 +38,7 @@ def inject(trainer, target: str, count: int = 1) -> None:
 
 @pytest.mark.slow
 def test_nan_guard_skips_counts_and_stops_after_k_in_a_row(ray_session, tmp_path):
-    from hybridflow.controller.checkpoint import RunStopped
+    from hybridflow.controller.recovery import RunStopped
     from hybridflow.controller.trainer import Trainer
 
     overrides = [*SMALL, "trainer.iterations=8", "trainer.save_interval=1", "trainer.keep_last=10",
@@ -64,14 +60,14 @@ def test_nan_guard_skips_counts_and_stops_after_k_in_a_row(ray_session, tmp_path
     # A skipped update leaves the weights as they were; a normal one changes them.
     ckpt = {p.name: p for p in complete_checkpoints(tmp_path / "run")}
     assert sorted(ckpt) == [f"iter_0000000{i}" for i in (1, 2, 3, 4)]  # none after the stop
-    w1, w2, w3 = (actor_weights(ckpt[f"iter_0000000{i}"]) for i in (1, 2, 3))
+    w1, w2, w3 = (saved_weights(ckpt[f"iter_0000000{i}"]) for i in (1, 2, 3))
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
     assert any(not torch.equal(w2[k], w3[k]) for k in w2)
 
 
 @pytest.mark.slow
 def test_nonfinite_weight_is_never_checkpointed(ray_session, tmp_path):
-    from hybridflow.controller.checkpoint import RunStopped
+    from hybridflow.controller.recovery import RunStopped
     from hybridflow.controller.trainer import Trainer
 
     overrides = [*SMALL, "trainer.iterations=4", "trainer.save_interval=1"]
@@ -82,8 +78,7 @@ def test_nonfinite_weight_is_never_checkpointed(ray_session, tmp_path):
         trainer.fit()
     assert [p.name for p in complete_checkpoints(tmp_path / "run")] == ["iter_00000001"]
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
-    for rank in (0, 1):
-        assert all(torch.isfinite(w).all() for w in actor_weights(latest_checkpoint(tmp_path / "run"), rank).values())
+    assert all(torch.isfinite(w).all() for w in saved_weights(latest_checkpoint(tmp_path / "run")).values())
 
 
 @pytest.mark.slow
@@ -126,9 +121,12 @@ def test_kill_during_checkpoint_save_leaves_previous_loadable(tmp_path):
     meta = json.loads((previous / "meta.json").read_text())
     controller = torch.load(previous / "controller.pt", weights_only=False)
     assert controller["iteration"] == meta["iteration"] == int(previous.name.split("_")[1])
+    assert [p.name for p in (previous / "models").iterdir()] == ["actor"]  # trained models only
+    state = saved_state(previous)
+    assert set(state) == {"model", "optim", "schedule"}
+    assert any(key.endswith(".exp_avg") for key in state["optim"])
     for rank in (0, 1):
-        state = torch.load(previous / "pool_default" / f"rank_{rank:05d}.pt", weights_only=False)
-        assert set(state["engines"]) == {"actor"} and "optimizer" in state["engines"]["actor"]
+        assert "torch_rng" in torch.load(previous / "pool_default" / f"rank_{rank:05d}.pt", weights_only=False)
 
     done = meta["iteration"]
     resumed = subprocess.run(

@@ -102,7 +102,7 @@ def test_worker_sigkill_mid_run_recovers_with_equal_metrics(uninterrupted, tmp_p
 
 def test_repeated_worker_loss_stops_after_max_restarts(ray_session, tmp_path):
     """With max_restarts=0 a dead worker stops the run with a message (no silent retry loop)."""
-    from hybridflow.controller.checkpoint import RunStopped
+    from hybridflow.controller.recovery import RunStopped
     from hybridflow.controller.trainer import Trainer
 
     graph = load_graph(GRPO, [*SMALL, "trainer.iterations=3", "trainer.max_restarts=0", "data.num_val=0"])

@@ -223,7 +223,7 @@ def _rows(run_dir) -> list[dict]:
 def test_stale_weights_stop_the_run(ray_session, tmp_path):
     """Weight syncs skipped from iteration 2 on: iteration 3 generates from iteration-1 weights and
     its update's consistency check stops the run with one clear line."""
-    from hybridflow.controller.checkpoint import RunStopped
+    from hybridflow.controller.recovery import RunStopped
     from hybridflow.controller.trainer import Trainer
     from hybridflow.graph.dag import load_graph
 

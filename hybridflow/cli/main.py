@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except RuntimeError as exc:
-        from hybridflow.controller.checkpoint import RunStopped
+        from hybridflow.controller.recovery import RunStopped
 
         if not isinstance(exc, RunStopped):
             raise

@@ -1,43 +1,64 @@
-"""Atomic, rotating checkpoints of a whole run, and finding the newest complete one.
+"""Checkpoints of a whole run: atomic, rotating, layout-free, and the component that takes them.
 
 Layout of ``RUN_DIR/checkpoints/iter_00000006/``::
 
-    meta.json                   iteration, pools, time (written last: its presence = complete)
-    controller.pt               data position, controller RNG states, iteration counter,
-                                metrics offset (bytes of metrics.jsonl), guard counters, and
-                                the ``extra`` state of objects registered on the trainer
-    pool_<name>/rank_00000.pt   one file per rank: every trained engine's state in that rank's
-                                own layout (model, optimizer, scheduler), the rank's torch RNG
-                                state and the worker's ``extra_state``
+    meta.json                  format, iteration, time, each pool's ranks, each model's layout
+                               and each trained model's engine (written last: presence = complete)
+    controller.pt              data position, controller RNG states, iteration counter, metrics
+                               offset (bytes of metrics.jsonl), NaN-guard counters, and the
+                               state of objects registered in ``Trainer.extra_state``
+    models/<model>/            one torch.distributed.checkpoint per trained model: weights,
+                               optimizer state (AdamW moments, sharded like the weights) and LR
+                               schedule, stored as pieces of the full tensors, so it loads under
+                               any layout (``workers/checkpointing.py``)
+    pool_<name>/rank_00000.pt  each rank's torch RNG state and the worker's ``extra_state``
 
 A checkpoint is written into ``checkpoints/.tmp-iter_00000006-<pid>`` and renamed into place
 (``os.replace``, atomic on POSIX) only when every file is written and synced, so a crash or a
 kill at any moment leaves the previous checkpoint untouched and a ``.tmp-*`` directory that the
 next save deletes. After a save, all but the newest ``keep_last`` checkpoints are deleted.
+
+A resume under another layout (another pool file, other tp/pp/dp) says in one log line what
+changed; weights, optimizer state, LR schedule and data position carry over exactly, per-rank
+RNG streams of a pool whose number of ranks changed restart from seeds (see
+``workers/checkpointing.py``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import random
 import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import ray
 import torch
+
+from hybridflow.controller.recovery import RunStopped
+from hybridflow.spec.loading import SpecError
+from hybridflow.workers.model_worker import NonFiniteWeightError
+
+if TYPE_CHECKING:
+    from hybridflow.controller.run_dir import RunDir
+    from hybridflow.graph.dag import Graph
 
 CHECKPOINTS = "checkpoints"
 META = "meta.json"
 CONTROLLER = "controller.pt"
+FORMAT = 2  # 1: one torch.save per rank in the rank's own layout (before layout-free checkpoints)
 _NAME = re.compile(r"^iter_(\d{8})$")
+log = logging.getLogger(__name__)
 
-
-class RunStopped(RuntimeError):
-    """The run stopped on purpose (non-finite updates, a weight to not checkpoint, too many
-    worker failures); the message says why and what to do."""
+__all__ = [
+    "Checkpointer", "ControllerRng", "RunStopped", "checkpoint_dir", "complete_checkpoints",
+    "latest_checkpoint", "load_controller_state", "truncate_metrics", "write_checkpoint",
+]
 
 
 def checkpoint_dir(run_dir: Path, iteration: int) -> Path:
@@ -71,16 +92,17 @@ def _fsync_tree(path: Path) -> None:
             os.close(fd)
 
 
-def save_checkpoint(
+def write_checkpoint(
     run_dir: Path,
     iteration: int,
     groups: dict[str, Any],
     controller_state: dict,
+    meta: dict,
     keep_last: int,
 ) -> Path:
     """Write the checkpoint of ``iteration`` atomically; returns its directory.
 
-    ``groups`` are the run's worker groups by pool name; each rank writes its own file
+    ``groups`` are the run's worker groups by pool name; every rank writes its part
     (``ModelWorker.save_checkpoint``). Raises whatever a rank raised (e.g. a non-finite weight),
     leaving no new checkpoint.
     """
@@ -95,11 +117,10 @@ def save_checkpoint(
         refs = []
         for name, group in groups.items():
             (tmp / f"pool_{name}").mkdir()
-            refs += group.call("save_checkpoint", path=str(tmp / f"pool_{name}"))
+            refs += group.call("save_checkpoint", path=str(tmp), pool=name)
         ray.get(refs)
         torch.save(controller_state, tmp / CONTROLLER)
-        meta = {"iteration": iteration, "pools": sorted(groups), "time": time.time()}
-        (tmp / META).write_text(json.dumps(meta))
+        (tmp / META).write_text(json.dumps({"format": FORMAT, "iteration": iteration, "time": time.time(), **meta}))
         _fsync_tree(tmp)
         if final.exists():  # the same iteration saved again after a recovery
             shutil.rmtree(final)
@@ -121,14 +142,6 @@ def load_controller_state(path: Path) -> dict:
     return torch.load(Path(path) / CONTROLLER, weights_only=False)
 
 
-def load_worker_states(path: Path, groups: dict[str, Any]) -> None:
-    """Every rank of every group loads its own file of checkpoint ``path``."""
-    refs = []
-    for name, group in groups.items():
-        refs += group.call("load_checkpoint", path=str(Path(path).resolve() / f"pool_{name}"))
-    ray.get(refs)
-
-
 def truncate_metrics(path: Path, offset: int) -> list[dict]:
     """Cut ``metrics.jsonl`` back to ``offset`` bytes (rows logged after the checkpoint) and
     return the rows that remain."""
@@ -138,3 +151,132 @@ def truncate_metrics(path: Path, offset: int) -> list[dict]:
     with path.open("r+b") as f:
         f.truncate(offset)
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class ControllerRng:
+    """The controller process's python, numpy and torch RNG states, as one checkpointed object."""
+
+    def state_dict(self) -> dict:
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+
+
+class Checkpointer:
+    """Saves a run after an iteration and brings it back, under its layout or another one.
+
+    The controller's part is ``components`` (name -> object with ``state_dict()`` and
+    ``load_state_dict()``: the dataset, the NaN guard, the controller RNG, registered by the
+    trainer) and ``extra`` (``Trainer.extra_state``, read at every save); the workers save and
+    load their own part through their groups.
+    """
+
+    def __init__(self, run_dir: RunDir, graph: Graph, extra: dict[str, Any]) -> None:
+        self.run_dir = run_dir
+        self.graph = graph
+        self.extra = extra
+        self.components: dict[str, Any] = {"rng": ControllerRng()}
+        self._start: dict | None = None
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.run_dir.path)
+
+    def mark_start(self) -> None:
+        """Remember the state before the first iteration: what a restore without a checkpoint
+        goes back to (fresh workers are in that state)."""
+        self._start = self._controller_state(0, metrics_offset=0)
+
+    def _controller_state(self, iteration: int, metrics_offset: int) -> dict:
+        return {
+            "iteration": iteration,
+            "metrics_offset": metrics_offset,
+            **{name: c.state_dict() for name, c in self.components.items()},
+            "extra": {name: obj.state_dict() for name, obj in self.extra.items()},
+        }
+
+    def _meta(self) -> dict:
+        graph = self.graph
+        trained = dict.fromkeys(n.model for n in graph.nodes if n.op == "update")
+        return {
+            "pools": {name: graph.pools[name].num_devices for name in dict.fromkeys(graph.placement.values())},
+            "layouts": {m: layout.model_dump(include={"tp", "pp", "dp"}) for m, layout in graph.layouts.items()},
+            "engines": {m: graph.spec.models[m].train.engine for m in trained},
+        }
+
+    def save(self, iteration: int, groups: dict[str, Any]) -> Path:
+        """Checkpoint the state after ``iteration``; a non-finite weight stops the run instead
+        (``RunStopped``), leaving the previous checkpoint the newest."""
+        state = self._controller_state(iteration, self.run_dir.metrics_offset())
+        keep_last = self.graph.spec.trainer.keep_last
+        try:
+            return write_checkpoint(self.run_dir.path, iteration, groups, state, self._meta(), keep_last)
+        except NonFiniteWeightError as exc:
+            cause = getattr(exc, "cause", exc)
+            raise RunStopped(
+                f"stopping at iteration {iteration}: {cause}; last checkpoint: {self.latest() or 'none'}"
+            ) from None
+
+    def restore(self, path: Path | None, groups: dict[str, Any]) -> tuple[int, list[dict]]:
+        """Go back to checkpoint ``path`` (None: the run's start, with fresh workers) and cut
+        the metrics logged after it. Returns the iteration it was taken after and the metrics
+        rows that remain."""
+        if path is None:
+            state = self._start
+        else:
+            meta = json.loads((Path(path) / META).read_text())
+            self._check_compatible(path, meta)
+            refs = []
+            for name, group in groups.items():
+                same_ranks = meta["pools"].get(name) == self.graph.pools[name].num_devices
+                refs += group.call("load_checkpoint", path=str(Path(path).resolve()), pool=name,
+                                   same_ranks=same_ranks, iteration=meta["iteration"])
+            ray.get(refs)
+            state = load_controller_state(path)
+        for name, component in self.components.items():
+            component.load_state_dict(state[name])
+        for name, value in state["extra"].items():
+            self.extra[name].load_state_dict(value)
+        history = truncate_metrics(self.run_dir.metrics, state["metrics_offset"])
+        if path is not None:
+            log.warning("resumed %s from %s (iteration %d)", self.run_dir.path, path, state["iteration"])
+        return state["iteration"], history
+
+    def _check_compatible(self, path: Path, meta: dict) -> None:
+        """Refuse a checkpoint this run cannot load (one line); log what changed otherwise."""
+        if meta.get("format") != FORMAT:
+            raise SpecError(path, "", "written by an older hybridflow (per-rank checkpoint files); "
+                            "resume it with that version, or start a new run")
+        for model, engine in self._meta()["engines"].items():
+            saved = meta["engines"].get(model)
+            if saved is None:
+                raise SpecError(path, f"models.{model}", "this trained model is not in the checkpoint")
+            if saved != engine:
+                raise SpecError(path, f"models.{model}.train.engine",
+                                f"saved by the {saved!r} engine; resume with train.engine {saved!r}")
+        changes = layout_changes(meta, self._meta())
+        if changes:
+            log.warning("resuming iteration %d under another layout: %s", meta["iteration"], "; ".join(changes))
+
+
+def layout_changes(saved: dict, now: dict) -> list[str]:
+    """What differs between two checkpoint metas' pools and layouts, for the resume log line."""
+    def shown(layout: dict) -> str:
+        return " ".join(f"{k}={v}" for k, v in layout.items())
+
+    changes = [
+        f"{model} {shown(saved['layouts'][model])} -> {shown(layout)}"
+        for model, layout in now["layouts"].items()
+        if model in saved["layouts"] and saved["layouts"][model] != layout
+    ]
+    reseeded = [
+        f"pool {pool!r} {saved['pools'][pool] if pool in saved['pools'] else 'new'} -> {ranks} ranks"
+        for pool, ranks in now["pools"].items()
+        if saved["pools"].get(pool) != ranks
+    ]
+    if reseeded:
+        changes.append(", ".join(reseeded) + " (per-rank RNG streams restart from trainer.seed, rank "
+                       "and iteration; weights, optimizer, LR schedule and data position carry over)")
+    return changes

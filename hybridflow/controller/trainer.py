@@ -1,43 +1,51 @@
-"""The controller's run: set up pools and worker groups, then one graph iteration after another."""
+"""The controller's run: set up pools and worker groups, then one graph iteration after another.
+
+One iteration (``fit`` -> ``_iterate`` -> ``step``), for any graph; grpo.yaml's nodes shown::
+
+    dataset.next_batch() --prompts--> run_nodes(graph): every node starts once its inputs exist
+                                        generate --responses--> old_log_prob, ref_log_prob, reward
+                                        reward --scores--> advantage --advantages--> update_actor
+                                        (nodes on disjoint pools run at once, on one pool in turn;
+                                         outputs stay in the object store as futures)
+                           metrics <----/
+    validate()             every trainer.val_interval: greedy generate + score, held-out prompts
+    nan_guard.observe()    counts updates skipped for a non-finite loss or gradient
+    logger.log()           metrics.jsonl, samples.jsonl, console / TensorBoard
+    callbacks, NaN guard   nan_tolerance skipped updates in a row: RunStopped
+    checkpointer.save()    every trainer.save_interval: checkpoints/iter_N, atomic, layout-free
+
+A lost worker (``recovery``) restarts every group and ``checkpointer.restore()``s the newest
+checkpoint. Components in modules of their own: ``run_dir`` (which directory, refusing another
+run's), ``checkpoint`` (``Checkpointer``), ``recovery`` (``Recovery``, ``NanGuard``).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import random
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import ray
-import torch
-import yaml
 from tqdm import tqdm
 
-from hybridflow.controller.checkpoint import (
-    RunStopped,
-    complete_checkpoints,
-    latest_checkpoint,
-    load_controller_state,
-    load_worker_states,
-    save_checkpoint,
-    truncate_metrics,
-)
+from hybridflow.controller.checkpoint import Checkpointer
 from hybridflow.controller.executor import IterationResult, chrome_trace, run_nodes
-from hybridflow.controller.preflight import check_engines_installed, check_inputs, check_model_paths, run_tokenizer
 from hybridflow.controller.loggers import RunLoggers
+from hybridflow.controller.preflight import check_engines_installed, check_inputs, check_model_paths, run_tokenizer
+from hybridflow.controller.recovery import NanGuard, Recovery, RunStopped
+from hybridflow.controller.run_dir import RunDir
 from hybridflow.data.datasets import DataError, PromptDataset, collate_prompts, load_data
 from hybridflow.graph.batching import batch_plan
-from hybridflow.graph.dag import SOURCE, Graph, Node
+from hybridflow.graph.dag import SOURCE, Graph
 from hybridflow.hybrid_engine.consistency import RolloutMismatchError
-from hybridflow.placement.pools import ResourcePool
+from hybridflow.placement.pools import ResourcePool, start_ray
 from hybridflow.spec.graph import GenerateOptions
 from hybridflow.spec.loading import SpecError
 from hybridflow.workers.group import WorkerGroup
-from hybridflow.workers.model_worker import ModelWorker, NonFiniteWeightError
+from hybridflow.workers.model_worker import ModelWorker
 from hybridflow.workers.sharded import ShardedRef
 
 PROGRESS_KEYS = {"reward/mean": "reward", "val/reward/mean": "val", "actor/kl": "kl"}
@@ -68,21 +76,20 @@ class Trainer:
         self.spec = graph.spec
         self.address = address
         self.resume = resume
-        save_root = Path(self.spec.trainer.save_dir.format(name=self.spec.name))
-        if run_dir is None and resume:
-            runs = [d for d in save_root.glob("*") if complete_checkpoints(d)] if save_root.is_dir() else []
-            if not runs:
-                raise SpecError(save_root, "", "--resume: no run with a checkpoint here; give --run-dir")
-            run_dir = str(max(runs, key=lambda d: latest_checkpoint(d).stat().st_mtime))
-        self.run_dir = Path(run_dir or save_root / time.strftime("%Y%m%d-%H%M%S"))
+        options = self.spec.trainer
+        self.dirs = RunDir.choose(options.save_dir.format(name=self.spec.name), run_dir, resume)
         self.groups: dict[str, WorkerGroup] = {}
         self.pools: list[ResourcePool] = []
         self.history: list[dict] = []
         self.callbacks: list[Callable[[Trainer, int, dict], None]] = []
         self.extra_state: dict[str, object] = {}
-        self.num_restarts = 0
-        self._nan_streak = 0  # iterations in a row whose update was skipped (non-finite)
-        self._num_skipped = 0  # such iterations in the whole run
+        self.nan_guard = NanGuard(options.nan_tolerance)
+        self.recovery = Recovery(self.dirs.events, options.max_restarts)
+        self.checkpointer = Checkpointer(self.dirs, graph, self.extra_state)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.dirs.path
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -98,7 +105,7 @@ class Trainer:
             self._setup()  # inside: a group that fails to start must not leak its pool
             total = self.spec.trainer.iterations
             last = min(total, stop_after or total)
-            resume_from = latest_checkpoint(self.run_dir) if self.resume else None
+            resume_from = self.checkpointer.latest() if self.resume else None
             if self.resume and resume_from is None:
                 log.warning("--resume: %s has no complete checkpoint; starting from the beginning", self.run_dir)
             done = self._restore(resume_from)
@@ -108,7 +115,7 @@ class Trainer:
                 try:
                     metrics = self._iterate(done + 1)
                 except Exception as exc:
-                    if not self._workers_lost(exc):
+                    if not self.recovery.workers_lost(exc, self.groups):
                         raise
                     done = self._recover(exc)
                     bar.reset(total=total)
@@ -132,14 +139,7 @@ class Trainer:
             raise RunStopped(f"stopping at iteration {iteration}: {getattr(exc, 'cause', exc)}") from None
         for callback in self.callbacks:
             callback(self, iteration, metrics)
-        tolerance = self.spec.trainer.nan_tolerance
-        if self._nan_streak >= tolerance:
-            raise RunStopped(
-                f"stopping at iteration {iteration}: the update was skipped for a non-finite loss "
-                f"or gradient norm in {self._nan_streak} iterations in a row "
-                f"(trainer.nan_tolerance={tolerance}); last checkpoint: "
-                f"{latest_checkpoint(self.run_dir) or 'none'}"
-            )
+        self.nan_guard.check(iteration, self.checkpointer.latest())
         interval = self.spec.trainer.save_interval
         if interval and (iteration % interval == 0 or iteration == self.spec.trainer.iterations):
             self.save_checkpoint(iteration)
@@ -151,7 +151,7 @@ class Trainer:
         options = self.spec.trainer
         result = run_nodes(self.graph, list(self.graph.nodes), self.groups, self._put(prompts), serial=options.serial)
         if options.trace_interval and iteration % options.trace_interval == 0:
-            trace_file = self.run_dir / "trace" / f"iteration_{iteration:05d}.json"
+            trace_file = self.dirs.trace(iteration)
             trace_file.parent.mkdir(exist_ok=True)
             trace_file.write_text(json.dumps(chrome_trace(result.timeline, iteration)))
         metrics = {"iteration": iteration, **result.metrics}
@@ -161,10 +161,7 @@ class Trainer:
         interval = self.spec.trainer.val_interval
         if interval and (iteration % interval == 0 or iteration == self.spec.trainer.iterations):
             metrics.update(self.validate())
-        skipped = any(v > 0 for k, v in metrics.items() if k.endswith("/skipped_step"))
-        self._nan_streak = self._nan_streak + 1 if skipped else 0
-        self._num_skipped += int(skipped)
-        metrics["guard/skipped_updates"] = float(self._num_skipped)
+        self.nan_guard.observe(metrics)
         self.logger.log(metrics, {name: out.metas for name, out in result.outputs.items()})
         self.history.append(metrics)
         return metrics
@@ -176,7 +173,7 @@ class Trainer:
         # Every user input is checked before anything is written or started.
         check_engines_installed(self.graph)
         check_model_paths(self.graph)
-        tokenizer = self._tokenizer()
+        tokenizer = run_tokenizer(self.graph)
         check_inputs(self.graph, tokenizer)
         try:
             train_rows, val_rows = load_data(spec.data, self.graph.file)
@@ -197,24 +194,14 @@ class Trainer:
             )
         except DataError as exc:
             raise SpecError(self.graph.file, exc.field, str(exc)) from None
-        metrics_file = self.run_dir / "metrics.jsonl"
-        if self.resume and not self.run_dir.is_dir():
-            raise SpecError(self.run_dir, "", "--resume: run directory not found")
-        if not self.resume and metrics_file.exists() and metrics_file.stat().st_size:
-            # A second run's rows would follow the first's, iterations restarting at 1, and its
-            # summary would count both.
-            raise SpecError(
-                self.run_dir, "", "already holds a run (metrics.jsonl); --resume continues it, "
-                "or choose another --run-dir"
-            )
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._write_resolved_config()
-        tokenizer.save_pretrained(self.run_dir / "tokenizer")
-        # What a restore without checkpoint goes back to (fresh workers are in this state).
-        self._initial_state = self._controller_state(0, metrics_offset=0)
+        self.dirs.claim(self.resume)
+        self.dirs.write_resolved_config(self.graph)
+        tokenizer.save_pretrained(self.dirs.tokenizer)
+        self.checkpointer.components.update(dataset=self.dataset, guard=self.nan_guard)
+        self.checkpointer.mark_start()
         self.logger = RunLoggers(spec.trainer, self.run_dir, self.graph.file)
         tqdm.write(batch_plan(spec, self.graph.layouts, self.graph.file).describe())
-        self._start_ray()
+        start_ray(self.address, self.graph.pools.values())
         for pool_name in dict.fromkeys(self.graph.placement.values()):
             pool = ResourcePool(pool_name, self.graph.pools[pool_name])
             pool.create()
@@ -230,7 +217,7 @@ class Trainer:
                 init_kwargs={
                     "graph": self.graph,
                     "models": self.graph.models_on(pool_name),
-                    "tokenizer_dir": str((self.run_dir / "tokenizer").resolve()),
+                    "tokenizer_dir": str(self.dirs.tokenizer.resolve()),
                     "total_steps": self._total_optimizer_steps(),
                 },
                 name=pool_name,
@@ -268,86 +255,19 @@ class Trainer:
     # -- checkpoints and recovery -------------------------------------------------------------
 
     def save_checkpoint(self, iteration: int) -> Path:
-        """Checkpoint the state after ``iteration`` (module ``checkpoint``); a non-finite weight
-        stops the run instead (``RunStopped``), leaving the previous checkpoint the newest."""
-        state = self._controller_state(iteration, self.logger_offset())
-        try:
-            return save_checkpoint(self.run_dir, iteration, self.groups, state, self.spec.trainer.keep_last)
-        except NonFiniteWeightError as exc:
-            cause = getattr(exc, "cause", exc)
-            raise RunStopped(
-                f"stopping at iteration {iteration}: {cause}; last checkpoint: "
-                f"{latest_checkpoint(self.run_dir) or 'none'}"
-            ) from None
-
-    def logger_offset(self) -> int:
-        path = self.run_dir / "metrics.jsonl"
-        return path.stat().st_size if path.exists() else 0
-
-    def _controller_state(self, iteration: int, metrics_offset: int) -> dict:
-        return {
-            "iteration": iteration,
-            "dataset": self.dataset.state_dict(),
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-            "metrics_offset": metrics_offset,
-            "guard": {"streak": self._nan_streak, "skipped": self._num_skipped},
-            "extra": {name: obj.state_dict() for name, obj in self.extra_state.items()},
-        }
+        """Checkpoint the state after ``iteration`` (``Checkpointer.save``)."""
+        return self.checkpointer.save(iteration, self.groups)
 
     def _restore(self, path: Path | None) -> int:
-        """Go back to checkpoint ``path`` (None: the run's start, with fresh workers); cut the
-        metrics logged after it. Returns the iteration it was taken after."""
-        state = load_controller_state(path) if path is not None else self._initial_state
-        if path is not None:
-            load_worker_states(path, self.groups)
-        self.dataset.load_state_dict(state["dataset"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
-        self._nan_streak, self._num_skipped = state["guard"]["streak"], state["guard"]["skipped"]
-        for name, value in state["extra"].items():
-            self.extra_state[name].load_state_dict(value)
-        self.history = truncate_metrics(self.run_dir / "metrics.jsonl", state["metrics_offset"])
-        if path is not None:
-            log.warning("resumed %s from %s (iteration %d)", self.run_dir, path, state["iteration"])
-        return state["iteration"]
-
-    def _workers_lost(self, exc: BaseException) -> bool:
-        """Whether ``exc`` came from a worker process that died (vs. a bug or a user error)."""
-        if isinstance(exc, ray.exceptions.RayActorError):
-            return True
-        if not isinstance(exc, ray.exceptions.RayError):
-            return False
-        # A surviving rank fails first (its gloo peer vanished); ask every rank if it lives.
-        for group in self.groups.values():
-            refs = [w.ready.remote() for w in group.workers]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10.0)
-            for ref in ready:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayActorError:
-                    return True
-        return False
+        """Go back to checkpoint ``path`` (None: the run's start); returns its iteration."""
+        done, self.history = self.checkpointer.restore(path, self.groups)
+        return done
 
     def _recover(self, exc: BaseException) -> int:
         """Restart every worker group and go back to the newest checkpoint; returns its
         iteration. Gives up (RunStopped) after ``trainer.max_restarts`` recoveries."""
-        self.num_restarts += 1
-        limit = self.spec.trainer.max_restarts
-        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        if self.num_restarts > limit:
-            raise RunStopped(
-                f"a worker died again ({reason}); trainer.max_restarts={limit} recoveries used up"
-            ) from exc
-        path = latest_checkpoint(self.run_dir)
-        log.warning(
-            "worker lost (%s); restarting worker groups, resuming from %s (recovery %d of %d)",
-            reason, path or "the start", self.num_restarts, limit,
-        )
-        with (self.run_dir / "events.jsonl").open("a") as f:
-            f.write(json.dumps({"event": "worker_lost", "time": time.time(), "reason": reason,
-                                "resume_from": str(path) if path else None,
-                                "recovery": self.num_restarts}) + "\n")
+        path = self.checkpointer.latest()
+        self.recovery.begin(exc, path)
         for group in self.groups.values():
             group.shutdown(graceful=False)
         self.groups = {}
@@ -377,7 +297,7 @@ class Trainer:
             "reward_first10": sum(rewards[:window]) / max(window, 1),
             "reward_last10": sum(rewards[-window:]) / max(window, 1),
             "val_reward_final": val[-1] if val else None,
-            "restarts": self.num_restarts,
+            "restarts": self.recovery.num_restarts,
             "seconds": round(seconds, 1),
         }
 
@@ -386,35 +306,7 @@ class Trainer:
     def _put(self, batch) -> ShardedRef:
         return ShardedRef(refs=[ray.put(batch)], sizes=[batch.batch_size[0]])
 
-    def _tokenizer(self):
-        return run_tokenizer(self.graph)
-
     def _total_optimizer_steps(self) -> int:
         updates = [n for n in self.graph.nodes if n.op == "update"]
         per_iteration = max((n.spec.options.mini_batches * n.spec.options.epochs for n in updates), default=1)
         return self.spec.trainer.iterations * per_iteration
-
-    def _write_resolved_config(self) -> None:
-        resolved = self.spec.model_dump(mode="json")
-        resolved["placement"] = dict(self.graph.placement)
-        resolved["resolved_layouts"] = {m: l.model_dump() for m, l in self.graph.layouts.items()}
-        (self.run_dir / "graph.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-
-    def _start_ray(self) -> None:
-        if ray.is_initialized():
-            return
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        if self.address:
-            ray.init(address=self.address, log_to_driver=True)
-            return
-        # Ray starts workers at niceness 15; here the workers do all the heavy work while the
-        # controller sleeps, and at 15 any other busy process on the box starves them (measured:
-        # 1.55 s vs 0.25 s per iteration of the one-rank default graph beside a busy process).
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        needed = sum(p.num_devices * p.cpus_per_device for p in self.graph.pools.values())
-        ray.init(
-            num_cpus=max(int(needed + 0.999), os.cpu_count() or 1),
-            include_dashboard=False,
-            log_to_driver=True,
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
-        )

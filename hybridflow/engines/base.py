@@ -118,11 +118,16 @@ class TrainEngine(abc.ABC):
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
-        """This rank's model, optimizer and schedule state, for checkpoints."""
+        """The model, optimizer and schedule state for ``torch.distributed.checkpoint``,
+        layout-free: every tensor keyed by name only and given as this rank's piece of the full
+        tensor (a plain tensor when whole, a DTensor with the full shape when sharded), so a
+        checkpoint loads under another layout. The tensors are the engine's own: ``dcp.load``
+        into the returned dict fills them in place (``hybridflow/workers/checkpointing.py``)."""
 
     @abc.abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned."""
+        """Apply a state in ``state_dict``'s form after ``dcp.load`` filled its tensors (the
+        non-tensor values: optimizer steps, schedule counters)."""
 
     @abc.abstractmethod
     def offload(self) -> int:

@@ -142,3 +142,32 @@ class TrainShardBuffer:
                 raise ValueError(f"{before.spec.name} and {after.spec.name} are not adjacent")
         start, end = slots[0].offset, slots[-1].offset + slots[-1].numel
         return self.flat[start:end].view(shape)
+
+
+def checkpoint_piece(
+    spec: ShardSpec, shard: Tensor, tp: int, tp_rank: int, mesh=None, full_rows: int | None = None
+) -> Tensor:
+    """``shard`` (TP chunk ``tp_rank`` of ``spec``'s full tensor, or anything shaped like it: an
+    Adam moment, a gradient) as what ``torch.distributed.checkpoint`` saves and loads: a DTensor
+    sharded over the TP group ``mesh`` with the *full* tensor's shape, or the tensor itself when
+    it is whole (``tp`` = 1 or replicated). The checkpoint then indexes it by full-tensor offsets
+    and loads it under any ``tp``. A view of ``shard``: loading into it fills ``shard``.
+
+    ``full_rows`` drops dim-0 padding (a vocabulary padded to a multiple of ``tp``): the
+    checkpoint holds the first ``full_rows`` rows, each rank its part of them (torch.chunk's
+    split of ``full_rows``, the same rows as the padded split minus the padding).
+    """
+    shape = list(spec.full_shape)
+    if full_rows is not None:
+        chunk = shard.shape[0] if spec.tp_dim == 0 else full_rows
+        start = tp_rank * chunk if spec.tp_dim == 0 else 0
+        shard = shard[: max(0, min(chunk, full_rows - start))]
+        shape[0] = full_rows
+    if spec.tp_dim is None or tp == 1:
+        return shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    stride = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    return DTensor.from_local(
+        shard, mesh, [Shard(spec.tp_dim)], run_check=False, shape=torch.Size(shape), stride=tuple(stride)
+    )

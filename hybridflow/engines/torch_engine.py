@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from hybridflow.algos import entropy_from_logits, log_probs_from_logits
@@ -26,6 +27,9 @@ from hybridflow.engines.base import LossFn, ModelKind, TrainEngine
 from hybridflow.engines.packing import pack
 from hybridflow.engines.schedule import lr_factor
 from hybridflow.spec.graph import TrainEngineSpec
+
+# Optimizer state keyed "state.<param name>.<field>" (no param indices): layout-free.
+_DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 # (model class, config) pairs whose forward passed the probe: the actor, the reference and a
@@ -327,14 +331,27 @@ class TorchTrainEngine(TrainEngine):
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Model, optimizer and LR-scheduler state (this rank's) for checkpoints."""
-        return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-        }
+        """The engine's state for ``torch.distributed.checkpoint``, keyed by parameter name only
+        (no rank, no layout): ``model`` (the weights), ``optim`` (AdamW's ``exp_avg``,
+        ``exp_avg_sq`` and ``step`` per parameter, and the param-group settings, flattened by
+        name) and ``schedule`` (the LR scheduler's counters). Every data-parallel rank holds the
+        same full tensors, so a checkpoint of any dp loads at any other.
+
+        The tensors are the engine's own (no copy): a ``dcp.load`` into this dict fills them in
+        place, after which :meth:`load_state_dict` applies the non-tensor values. A fresh
+        optimizer gets its (zero) state first, so that there is something to load into.
+        """
+        fresh = not self.optimizer.state
+        model, optim = get_state_dict(self.module, self.optimizer, options=_DCP_OPTIONS)
+        if fresh:  # made by a zero-gradient step at lr 0: make it the state of no step at all
+            for param_state in self.optimizer.state.values():
+                param_state["step"].zero_()
+        return {"model": model, "optim": optim, "schedule": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        """Take a state in :meth:`state_dict`'s form (e.g. filled by ``dcp.load``)."""
+        set_state_dict(
+            self.module, self.optimizer, model_state_dict=state["model"],
+            optim_state_dict=state["optim"], options=_DCP_OPTIONS,
+        )
+        self.scheduler.load_state_dict(state["schedule"])

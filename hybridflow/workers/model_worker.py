@@ -27,7 +27,7 @@ from hybridflow.graph.dag import Graph, Node
 from hybridflow.rewards.remote import RewardSources, row_fields
 from hybridflow.spec.graph import Spec, UpdateOptions
 from hybridflow.spec.layout import RankCoords
-from hybridflow.workers import algo_steps
+from hybridflow.workers import algo_steps, checkpointing
 from hybridflow.workers.base import Worker
 from hybridflow.workers.colocation import Colocation
 from hybridflow.workers.protocols import Dispatch, register
@@ -295,12 +295,12 @@ class ModelWorker(Worker):
     # -- checkpoints and fault injection ------------------------------------------------------
 
     @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, *, path: str) -> str:
-        """Write this rank's state (engines in their own layout, RNG, extra state) to a file
-        under ``path``; refuses (NonFiniteWeightError) if any trained weight is not finite.
-        Frozen models (ref, reward models) are rebuilt from their source, not saved."""
-        trained = {n.model for n in self.spec.nodes if n.op == "update"}
-        engines = {name: e for name, e in self.train_engines.items() if name in trained}
+    def save_checkpoint(self, *, path: str, pool: str) -> None:
+        """Write this rank's part of checkpoint ``path`` (``workers/checkpointing.py``): the
+        trained engines, layout-free, and this rank's RNG and extra state. Refuses
+        (NonFiniteWeightError) if any trained weight is not finite. Frozen models (ref, reward
+        models) are rebuilt from their source, not saved."""
+        engines = self._trained_engines()
         for name, engine in engines.items():
             for param_name, param in engine.named_weights():
                 if not bool(torch.isfinite(param).all()):
@@ -308,25 +308,22 @@ class ModelWorker(Worker):
                         f"model {name!r} rank {self.rank}: weight {param_name} is not finite; "
                         "not checkpointing it"
                     )
-        state = {
-            "engines": {name: engine.state_dict() for name, engine in engines.items()},
-            "torch_rng": torch.get_rng_state(),
-            "extra": {k: v.state_dict() for k, v in self.extra_state.items()},
-        }
-        file = f"{path}/rank_{self.rank:05d}.pt"
-        torch.save(state, file)
-        return file
+        checkpointing.save(path, pool, self.rank, engines, self.extra_state)
 
     @register(Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, *, path: str) -> None:
-        state = torch.load(f"{path}/rank_{self.rank:05d}.pt", weights_only=False)
-        for name, engine_state in state["engines"].items():
-            self.train_engines[name].load_state_dict(engine_state)
-        for name, value in state["extra"].items():
-            self.extra_state[name].load_state_dict(value)
+    def load_checkpoint(self, *, path: str, pool: str, same_ranks: bool, iteration: int) -> None:
+        """Load checkpoint ``path``, saved under any layout; ``same_ranks``: its pool ``pool``
+        had this pool's number of ranks (then each rank takes back its own RNG stream)."""
+        checkpointing.load_engines(path, self._trained_engines())
         for name in self.rollout_engines:  # a rollout engine with its own copy: the loaded weights
             self._sync_rollout(name)
-        torch.set_rng_state(state["torch_rng"])
+        checkpointing.load_rank_state(
+            path, pool, self.rank, self.extra_state, same_ranks, self.spec.trainer.seed, iteration
+        )
+
+    def _trained_engines(self) -> dict[str, TrainEngine]:
+        trained = {n.model for n in self.spec.nodes if n.op == "update"}
+        return {name: e for name, e in self.train_engines.items() if name in trained}
 
     def _sync_rollout(self, model: str) -> dict[str, float]:
         """The rollout engine of ``model`` takes its train engine's current weights."""

@@ -47,3 +47,11 @@ def test_train_step_nccl(tp, pp, dp, grad_clip):
     from test_megatron_engine import _check_train_steps
 
     spawn(_check_train_steps, tp * pp * dp, tp, pp, dp, grad_clip, "nccl", start_method="spawn")
+
+
+def test_checkpoint_across_layouts_nccl(tmp_path):
+    """tp=2 -> tp=1 -> tp=2 -> pp=2 with CUDA tensors, nccl groups and megatron's GPU optimizer."""
+    _need_gpus(2)
+    from test_resume_layouts import checkpoints_across_layouts
+
+    checkpoints_across_layouts(tmp_path, "nccl")

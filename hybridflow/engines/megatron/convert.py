@@ -254,10 +254,14 @@ def megatron_views(buffer: TrainShardBuffer, dims: Dims, coords: RankCoords) -> 
 def resharding_named(mg_state: Mapping[str, Tensor], dims: Dims, coords: RankCoords) -> dict[str, Tensor]:
     """This rank's megatron tensors (weights, or anything shaped like them, e.g. gradients) under
     the resharding layout's names: views, fused ``linear_fc1`` split into gate and up."""
-    return {
-        e.spec.name: mg_state[e.megatron].chunk(e.parts, dim=0)[e.part]
-        for e in _stage_entries(dims, coords)
-    }
+    out = {}
+    for e in _stage_entries(dims, coords):
+        tensor = mg_state[e.megatron]
+        rows = tensor.shape[0] // e.parts
+        # narrow, not chunk: a view of a multi-output op may not be written in place later
+        # (a checkpoint loads into these views)
+        out[e.spec.name] = tensor.narrow(0, e.part * rows, rows)
+    return out
 
 
 def resharding_full(hf_state: Mapping[str, Tensor], dims: Dims, tp: int) -> dict[str, Tensor]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from functools import partial
+from itertools import chain
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,7 @@ from hybridflow.data import keys as K
 from hybridflow.engines.base import LossFn, ModelKind, TrainEngine, TrainShard
 from hybridflow.engines.megatron import cpu_compat
 from hybridflow.engines.megatron.convert import (
+    VOCAB_TENSORS,
     Dims,
     hf_to_megatron,
     megatron_views,
@@ -56,7 +58,7 @@ from hybridflow.engines.megatron.convert import (
     to_hf,
 )
 from hybridflow.engines.megatron.model import build_gpt_model, load_megatron_state
-from hybridflow.engines.shards import TrainShardBuffer
+from hybridflow.engines.shards import TrainShardBuffer, checkpoint_piece
 from hybridflow.engines.schedule import lr_factor
 from hybridflow.spec.graph import TrainEngineSpec
 from hybridflow.spec.layout import ParallelLayout
@@ -87,6 +89,25 @@ def init_parallel_state(tp: int, pp: int, seed: int) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     # The inference tracker forks the CPU RNG instead of a CUDA generator; dropout is 0 anyway.
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=cpu_compat.needed())
+
+
+def _adam_step(optimizer: torch.optim.Optimizer, param: Tensor) -> float:
+    """An Adam parameter's step count: in its state (torch's Adam/AdamW, megatron's CPU
+    optimizer) or in its param group (apex's and Transformer Engine's FusedAdam)."""
+    if "step" in optimizer.state[param]:
+        return float(optimizer.state[param]["step"])
+    return float(next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))["step"])
+
+
+def _set_adam_step(optimizer: torch.optim.Optimizer, param: Tensor, step: float) -> None:
+    state = optimizer.state[param]
+    if "step" in state:
+        if isinstance(state["step"], Tensor):
+            state["step"].fill_(step)
+        else:
+            state["step"] = int(step)
+        return
+    next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))["step"] = int(step)
 
 
 def _roll_left(x: Tensor, shifts: Tensor) -> Tensor:
@@ -414,10 +435,101 @@ class MegatronTrainEngine(TrainEngine):
             self.hf_model.save_pretrained(path)
         dist.barrier()
 
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def _stepped(self) -> dict[str, tuple[Tensor, torch.optim.Optimizer]]:
+        """Megatron parameter name -> (the tensor its optimizer steps, that torch optimizer): the
+        parameter itself, or its fp32 main copy when the model is bf16."""
+        names = {id(p): n for n, p in self.gpt_model.named_parameters()}
+        out = {}
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if hasattr(opt, "float16_groups"):  # mixed precision: the optimizer steps fp32 copies
+                pairs = zip(chain(*opt.float16_groups, *opt.fp32_from_fp32_groups),
+                            chain(*opt.fp32_from_float16_groups, *opt.fp32_from_fp32_groups))
+            else:
+                pairs = ((p, p) for group in opt.optimizer.param_groups for p in group["params"])
+            for param, main in pairs:
+                out[names[id(param)]] = (main, opt.optimizer)
+        return out
+
+    @staticmethod
+    @torch.no_grad()
+    def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+        """Give a fresh optimizer its per-parameter state (zero moments, step 0: what its first
+        step would start from) by one step with zero gradients at lr 0, which leaves the weights
+        bit for bit as they are; a checkpoint can then load into that state."""
+        if optimizer.state:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        optimizer.step()
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        for p in params:
+            p.grad = None
+            _set_adam_step(optimizer, p, 0)  # the state of no step at all: the next is step 1
+
     def state_dict(self) -> dict:
-        return {"model": self.gpt_model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step_count}
+        """The engine's state for ``torch.distributed.checkpoint``, layout-free: every tensor is
+        a piece of the *full* HF-layout tensor (:func:`~hybridflow.engines.shards.checkpoint_piece`,
+        the vocabulary without its TP padding), named as in the resharding layout, so the
+        checkpoint loads under any tp x pp x dp.
+
+        ``weights`` (views of ``train_shard``), ``optim`` (Adam's per-parameter moments, sharded
+        like the weights, and its step), ``main`` (the fp32 main weights, bf16 models only) and
+        ``schedule`` (the LR schedule's step counter). The tensors are the engine's own: a
+        ``dcp.load`` into this dict fills them in place; :meth:`load_state_dict` then applies
+        the rest. With tied embeddings and p > 1 the last stage's copy of the embedding loads
+        from (and saves, deduplicated, to) the embedding's entries.
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        tp = self.train_layout.tp
+        if tp > 1 and getattr(self, "_tp_mesh", None) is None:
+            self._tp_mesh = DeviceMesh.from_group(self.ps.get_tensor_model_parallel_group(), self.device.type)
+        mesh = getattr(self, "_tp_mesh", None)
+        specs = {spec.name: spec for spec in self.specs}
+
+        def pieces(named: dict[str, Tensor]) -> dict[str, Tensor]:
+            return {
+                name: checkpoint_piece(
+                    specs[name], tensor, tp, self.coords.tp_rank, mesh,
+                    self.dims.vocab_size if name in VOCAB_TENSORS else None,
+                )
+                for name, tensor in named.items()
+            }
+
+        def by_layout(megatron: dict[str, Tensor]) -> dict[str, Tensor]:
+            named = resharding_named(megatron, self.dims, self.coords)
+            if self.dims.tied and self.train_layout.pp > 1 and self.coords.is_last_stage:
+                named["model.embed_tokens.weight"] = megatron["output_layer.weight"]
+            return pieces(named)
+
+        stepped = self._stepped()
+        for optimizer in {id(o): o for _, o in stepped.values()}.values():
+            self._init_optimizer_state(optimizer)
+        moments = {
+            key: by_layout({name: opt.state[main][key] for name, (main, opt) in stepped.items()})
+            for key in ("exp_avg", "exp_avg_sq")
+        }
+        steps = {_adam_step(opt, main) for main, opt in stepped.values()}
+        assert len(steps) == 1, f"parameters at different optimizer steps: {sorted(steps)}"
+        params = dict(self.gpt_model.named_parameters())
+        state = {
+            "weights": by_layout({name: p.data for name, p in params.items()}),
+            "optim": {**moments, "step": steps.pop()},
+            "schedule": {"step_count": self.step_count},
+        }
+        if any(main is not params[name] for name, (main, _) in stepped.items()):
+            state["main"] = by_layout({name: main for name, (main, _) in stepped.items()})
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.gpt_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step_count = state["step"]
+        """Take a state in :meth:`state_dict`'s form after ``dcp.load`` filled its tensors."""
+        for main, opt in self._stepped().values():
+            _set_adam_step(opt, main, state["optim"]["step"])
+        self.step_count = state["schedule"]["step_count"]
