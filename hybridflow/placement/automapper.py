@@ -36,7 +36,7 @@ from hybridflow.placement.simulator import (
     Workload,
     all_partitions,
 )
-from hybridflow.spec.loading import SpecError
+from hybridflow.spec.loading import SpecError, resolve_relative
 
 
 @dataclass(frozen=True)
@@ -304,18 +304,40 @@ def _allocations(total: int, sizes_per_set: list[list[int]]):
 TINY_VOCAB = 64  # the built-in tasks' character tokenizers have a few dozen symbols
 
 
-def _arch_of(model_spec, size: str | None, base_dir: Path) -> ModelArch | None:
-    source = model_spec.source
-    if source.rule is not None:
+def _arch_of(name: str, graph, size: str | None) -> ModelArch | None:
+    source = graph.spec.models[name].source
+    if source.is_scorer:
         return None
     if size is not None:
         return model_size(size)
-    if source.path is not None:
-        config = json.loads((Path(base_dir) / source.path / "config.json").read_text())
-        return arch_from_hf_config(config, name=Path(source.path).name)
+    if source.is_pretrained:
+        where = Path(source.path or source.gguf or source.package).name
+        return arch_from_hf_config(_pretrained_config(name, graph), name=where)
     from hybridflow.engines.models import TINY_QWEN2  # the one place the tiny defaults live
 
-    return arch_from_hf_config({"vocab_size": TINY_VOCAB, **TINY_QWEN2, **source.config})
+    return arch_from_hf_config({"vocab_size": TINY_VOCAB, **TINY_QWEN2, **(source.config or {})})
+
+
+def _pretrained_config(name: str, graph) -> dict:
+    """The HF config of a ``path``, ``gguf`` or ``package`` source, read without loading (nor
+    converting) the weights; a missing or unreadable one is a SpecError naming the field."""
+    from hybridflow.engines.models import ModelSourceError, gguf_file
+
+    source = graph.spec.models[name].source
+    kind = next(k for k in ("path", "gguf", "package") if getattr(source, k) is not None)
+    field = f"models.{name}.source.{kind}"
+    try:
+        if source.path is not None:
+            config = resolve_relative(source.path, graph.file) / "config.json"
+            return json.loads(config.read_text())
+        file = gguf_file(source)
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True).to_dict()
+    except ModelSourceError as exc:
+        raise SpecError(graph.file, field, str(exc)) from None
+    except (OSError, ValueError) as exc:  # no config.json, not JSON, not a GGUF transformers reads
+        raise SpecError(graph.file, field, f"cannot read the model's config: {exc}") from None
 
 
 def plan_graph(graph, model_size_name: str | None = None) -> PlanGraph:
@@ -325,14 +347,13 @@ def plan_graph(graph, model_size_name: str | None = None) -> PlanGraph:
     tp x pp layout (as megatron-core would run it; the torch engine is data-parallel only).
     """
     spec = graph.spec
-    base_dir = Path(graph.file).parent if Path(graph.file).is_file() else Path(".")
     updated = {n.model for n in graph.nodes if n.op == "update"}
     models = {}
     for name, m in spec.models.items():
         models[name] = ModelInfo(
             name=name,
             role=m.role,
-            arch=_arch_of(m, model_size_name, base_dir),
+            arch=_arch_of(name, graph, model_size_name),
             trainable=name in updated,
             micro_batch=None if model_size_name else m.train.micro_batch_size,
             any_layout=model_size_name is not None or m.train.engine == "megatron",

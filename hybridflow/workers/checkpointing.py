@@ -14,6 +14,9 @@ rank then starts a fresh stream seeded from ``trainer.seed``, its rank and the i
 from (:func:`resume_seed`), and takes the algorithm state from rank 0's file (that state is the
 same on every rank of a pool: it is stepped from reduced statistics). Weights, optimizer state,
 LR schedule and the data position (the controller's) carry over exactly either way.
+
+Outside a run (``hybridflow eval``), :func:`read_hf_weights` reads a trained model's weights from
+a checkpoint as full HF-named tensors, in one process, whichever engine and layout wrote them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hybridflow.engines.base import TrainEngine
 
@@ -77,3 +81,33 @@ def load_rank_state(
         torch.set_rng_state(own["torch_rng"])
     else:
         torch.manual_seed(resume_seed(seed, rank, iteration))
+
+
+def read_hf_weights(path: str | Path, model: str, hf_config) -> dict[str, torch.Tensor]:
+    """The full HF-named weights of trained model ``model`` in checkpoint ``path``, read in one
+    process (no process group): the torch engine's ``model`` entries as they are, or the megatron
+    engine's ``weights`` (the resharding layout's full tensors) converted to HF with
+    ``hf_config``'s dimensions. Raises FileNotFoundError if the checkpoint has no ``model``."""
+    reader = dcp.FileSystemReader(Path(path) / MODELS / model)
+    entries = reader.read_metadata().state_dict_metadata
+
+    def read(prefix: str) -> dict[str, torch.Tensor]:
+        tensors = {
+            key.removeprefix(f"{prefix}."): torch.empty(meta.size, dtype=meta.properties.dtype)
+            for key, meta in entries.items()
+            if key.startswith(f"{prefix}.") and isinstance(meta, TensorStorageMetadata)
+        }
+        if tensors:
+            dcp.load({prefix: tensors}, storage_reader=reader)
+        return tensors
+
+    weights = read("model")  # the torch engine
+    if weights:
+        return weights
+    from hybridflow.engines.megatron.convert import Dims, to_hf
+
+    dims = Dims.from_hf(hf_config)
+    weights = dict(to_hf(read("weights").items(), dims, tp=1, trim_vocab=False))
+    if dims.tied:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return weights
