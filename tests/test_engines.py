@@ -329,8 +329,10 @@ def test_torch_engine_contract_on_cpu():
     assert engine.offload() == 0 and engine.reload() == 0  # already on the CPU, its home
     names = [name for name, _ in engine.named_weights()]
     assert names == [name for name, _ in engine.module.named_parameters()]
-    state = engine.state_dict()
-    assert set(state) == {"model", "optimizer", "scheduler"}
+    state = engine.state_dict()  # layout-free: keyed by parameter name, no rank, no indices
+    assert set(state) == {"model", "optim", "schedule"}
+    assert set(names) <= set(state["model"])  # (and a tied lm_head.weight)
+    assert {f"state.{n}.exp_avg" for n in names} <= set(state["optim"])
     engine.load_state_dict(state)
 
 
