@@ -238,7 +238,21 @@ class ValuesNode(NodeBase):
 
 
 class ScoreOptions(Spec):
-    """What a rule or remote reward that raises, hangs or answers garbage does to the run."""
+    """What a response that did not end scores, and what a rule or remote reward that raises,
+    hangs or answers garbage does to the run."""
+
+    unfinished: Literal["auto", "replace", "keep"] = Field(
+        "auto",
+        description="Ending rule for a response that did not end: it is truncated (no EOS "
+        "within data.max_response_length) or has another special token (pad, unk, ...) right "
+        "before its EOS. 'replace' scores it unfinished_score whatever the reward says; 'keep' "
+        "leaves its score alone; 'auto' is 'replace' on a reward model and 'keep' on a cost "
+        "model (a low cost for not finishing would reward not finishing; the reward node "
+        "already makes it worthless). Counted in reward/unfinished_frac (cost/...).",
+    )
+    unfinished_score: float = Field(
+        0.0, description="Score of a response that did not end, under unfinished: replace."
+    )
 
     on_error: Literal["fail", "default"] = Field(
         "fail", description="'fail' stops the run; 'default' gives the sample default_reward "

@@ -24,6 +24,7 @@ from hybridflow.engines.models import build_causal_lm, build_value_model
 from hybridflow.hybrid_engine.consistency import ConsistencyStats, check_consistency
 from hybridflow.hybrid_engine.sync import WeightSync, weight_sync
 from hybridflow.graph.dag import Graph, Node
+from hybridflow.rewards.ending import apply_ending_rule
 from hybridflow.rewards.remote import RewardSources, row_fields
 from hybridflow.spec.graph import Spec, UpdateOptions
 from hybridflow.spec.layout import RankCoords
@@ -173,6 +174,7 @@ class ModelWorker(Worker):
         # "reward" / "cost"; a second score of the same model (ReMax's baseline) by its key
         role = self.spec.models[model].role
         prefix = role if output_key in (K.SCORES, K.COSTS) else output_key
+        opts = node.spec.options  # ScoreOptions
         fields, metrics, sums = {}, {}, {}
         if model in self.rules:
             responses = self.tokenizer.batch_decode(
@@ -182,7 +184,8 @@ class ModelWorker(Worker):
                 batch.get(K.PROMPT_TEXT).tolist(),
                 responses,
                 batch.get(K.GROUND_TRUTH).tolist(),
-                **node.spec.options.model_dump(),  # the ScoreOptions fields are the scorer's keywords
+                # the scorer's keywords: every ScoreOptions field but the ending rule's
+                **opts.model_dump(exclude={"unfinished", "unfinished_score"}),
                 **row_fields(batch),
             )
             for name, values in scored.extras.items():  # other keys of compute_score dicts
@@ -196,6 +199,8 @@ class ModelWorker(Worker):
                 sums[f"{prefix}/num_retries"] = float(scored.num_retries)
         else:
             scores = self.train_engines[model].forward(batch)["last_values"]
+        scores, unfinished = apply_ending_rule(scores, batch, self.tokenizer, opts, role)
+        metrics[f"{prefix}/unfinished_frac"] = float(unfinished.float().mean())
         result = TensorDict(
             {output_key: scores, K.TOKEN_REWARDS: place_sequence_reward(scores, batch[K.RESPONSE_MASK]), **fields},
             batch_size=batch.batch_size,
