@@ -1,29 +1,39 @@
 """hybridflow vs TRL's GRPOTrainer on the same GRPO workload, iterations alternating in one run.
 
     make install-peers                      # .venv-peers: the project plus trl==1.16.0
-    .venv-peers/bin/python benchmarks/peers.py [--iterations 50] [--warmup 3] [--engine hf|vllm] [--seeds 0 1 2]
+    .venv-peers/bin/python benchmarks/peers.py [--engine hf|vllm] [--seeds 0 1 2] [--json out.json]
+        [--hidden-size 256 --layers 4 --intermediate-size 512 --heads 4 --kv-heads 2]
+        [--prompts 16 --samples 8 --max-new-tokens 64 --lr 1e-3] [--iterations 50]
 
-Workload (the same for both): a random-init Qwen2 built from one config (hidden 256, 4 layers,
-intermediate 512, 4 heads, 2 KV heads, tied embeddings), the built-in character tokenizer and
-`copy` task with its per-position accuracy reward, 16 prompts x 8 samples per iteration, up to
-64 new tokens at temperature 1.0, no KL term (TRL beta=0), AdamW lr 1e-3 (betas 0.9/0.999, no
+Workload (the same for both; the defaults in brackets): a random-init Qwen2 built from one
+config (hidden [256], [4] layers, intermediate [512], [4] heads, [2] KV heads, tied embeddings),
+the built-in character tokenizer and `copy` task with its per-position accuracy reward and the
+score node's ending rule (a response that did not end scores 0: no EOS within the limit, or a
+special token right before EOS; `hybridflow.rewards.ending`, applied to TRL's `completion_ids`
+by the same function), [16] prompts x [8] samples per iteration, up to [64] new tokens at
+temperature 1.0, no KL term (TRL beta=0), AdamW lr [1e-3] (betas 0.9/0.999, eps 1e-8, no
 weight decay), grad clip 1.0, one optimizer step per rollout batch.
 
-TRL settings that make the work equal: `loss_type="dapo"` (token losses normalised by the
-batch's response tokens: hybridflow's token-mean), `scale_rewards="group"` (advantages divided
-by the group std: hybridflow's GRPO with norm_by_std), `num_iterations=1` and
+TRL settings that make the algorithm equal (`tests/test_trl_equivalence.py` proves the first
+update equal to TRL 1.16's formula within 1e-5): `loss_type="dapo"` (token losses summed over
+the batch and divided by its response tokens: hybridflow's token-mean), `scale_rewards="group"`
+(advantage = (r - group mean) / (unbiased group std + 1e-4): hybridflow's GRPO with
+`norm_by_std` and `epsilon: 1e-4`, whose own default epsilon is 1e-6), `num_iterations=1` and
 `steps_per_generation=1` (one update per rollout batch, so neither side runs a separate
-old-log-prob forward: 1 generate + 1 forward/backward each), `per_device_train_batch_size=128`.
-hybridflow runs its default CPU layout: two data-parallel ranks (gloo), one torch thread each;
-TRL runs in this process with two torch threads. Both see the same 2 cores.
+old-log-prob forward: 1 generate + 1 forward/backward each), `per_device_train_batch_size` =
+prompts x samples. hybridflow runs its default CPU layout: two data-parallel ranks (gloo), one
+torch thread each; TRL runs in this process with two torch threads. Both see the same 2 cores.
+What still differs (sampling RNG streams, prompt order, fused vs for-loop AdamW) is listed with
+its measured effect in benchmarks/RESULTS.md.
 
 After each TRL step (generation + update, timed by a callback from step begin to step end) the
 callback runs one hybridflow iteration, so both share the machine's state over time. Prints mean
-iteration time of each after warm-up, their ratio, tokens generated, and mean reward over the
-last 10 iterations. With several ``--seeds`` the pair runs once per seed (model init, prompts
-and sampling seeded alike on both sides) and the table averages them: the reward after 50
-iterations of one seed varies by several hundredths between seeds, about the size of the
-margin being checked.
+iteration time of each after warm-up, their ratio, tokens generated, time per generated token,
+and mean reward over the first and last 10 iterations, per seed and averaged. With several
+``--seeds`` the pair runs once per seed (model init, prompts and sampling seeded alike on both
+sides); single seeds mislead (the last-10 reward of one seed varies by several hundredths).
+The JSON holds the per-iteration curves of every seed. Times are only comparable on an idle
+machine: the JSON records the load average before and after.
 """
 
 from __future__ import annotations
@@ -35,98 +45,223 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import mean, stdev
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-MODEL_CONFIG = {
-    "hidden_size": 256,
-    "num_hidden_layers": 4,
-    "intermediate_size": 512,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
-PROMPTS, SAMPLES, MAX_NEW_TOKENS, LR = 16, 8, 64, 1e-3
+ROOT = Path(__file__).resolve().parent.parent
+TASK = "copy"
+LAST = 10  # iterations averaged for the first/last reward
+# TRL's std epsilon (`advantages / (std_rewards + 1e-4)` in GRPOTrainer 1.16).
+TRL_STD_EPSILON = 1e-4
 
 
-def hybridflow_trainer(run_dir: Path, iterations: int, engine: str, seed: int):
+def model_config(args: argparse.Namespace) -> dict:
+    """The workload's model fields, as a graph file's `source.config` names them."""
+    return {
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.layers,
+        "intermediate_size": args.intermediate_size,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+    }
+
+
+def trl_model(config_overrides: dict, tokenizer, seed: int):
+    """TRL's side of the initial weights: ``torch.manual_seed(seed)`` then the model class.
+
+    ``tests/test_trl_equivalence.py`` checks these equal the weights hybridflow's workers build
+    from ``source: {config: ...}`` with ``trainer.seed``.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hybridflow.engines.models import TINY_QWEN2
+
+    config = Qwen2Config(**(TINY_QWEN2 | config_overrides), vocab_size=len(tokenizer),
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=None)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def hybridflow_trainer(run_dir: Path, args: argparse.Namespace, seed: int):
     from hybridflow.controller.trainer import Trainer
     from hybridflow.graph.builder import GraphBuilder
 
-    g = GraphBuilder("peers", resources=str(Path(__file__).resolve().parent.parent / "resource_pools/local_cpu.yaml"))
+    g = GraphBuilder("peers", resources=str(ROOT / "resource_pools/local_cpu.yaml"))
     g.model(
         "actor",
         role="actor",
-        source={"config": MODEL_CONFIG},
-        train={"micro_batch_size": 64, "optim": {"lr": LR, "betas": [0.9, 0.999], "grad_clip": 1.0}},
-        rollout={"engine": engine, "n": SAMPLES, "temperature": 1.0},
+        source={"config": model_config(args)},
+        train={"micro_batch_size": 64, "optim": {"lr": args.lr, "betas": [0.9, 0.999], "grad_clip": 1.0}},
+        rollout={"engine": args.engine, "n": args.samples, "temperature": 1.0},
     )
-    g.model("reward", role="reward", source={"rule": "hybridflow.data.tasks:copy_reward"})
+    g.model("reward", role="reward", source={"rule": f"hybridflow.data.tasks:{TASK}_reward"})
     g.place({"actor": "default", "reward": "default"})
     g.node("generate", "generate", model="actor", inputs=["prompts"], outputs=["responses"])
     g.node("reward", "score", model="reward", inputs=["responses"], outputs=["scores"])
     g.node("advantage", "advantage", model="actor", inputs=["responses", "scores"], outputs=["advantages"],
-           estimator="grpo", norm_by_std=True)
+           estimator="grpo", norm_by_std=True, epsilon=TRL_STD_EPSILON)
     g.node("update_actor", "update", model="actor", inputs=["responses", "advantages"], outputs=[],
-           clip_ratio=0.2, kl_coef=0.0, mini_batches=1)
-    g.data(source="builtin:copy", prompts_per_iteration=PROMPTS, max_prompt_length=8,
-           max_response_length=MAX_NEW_TOKENS, seed=seed)
-    g.trainer(iterations=iterations, seed=seed, val_interval=0, progress=False, save_final=False)
+           clip_ratio=0.2, kl_coef=0.0, mini_batches=1, loss_agg="token-mean")
+    g.data(source=f"builtin:{TASK}", prompts_per_iteration=args.prompts, max_prompt_length=8,
+           max_response_length=args.max_new_tokens, seed=seed)
+    g.trainer(iterations=args.iterations, seed=seed, val_interval=0, progress=False, save_final=False)
     trainer = Trainer(g.build(), run_dir=str(run_dir))
     trainer._setup()
     return trainer
 
 
-def trl_trainer(out_dir: Path, iterations: int, callback, seed: int):
+def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
     from datasets import Dataset
-    from transformers import Qwen2Config, Qwen2ForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    from hybridflow.data.tasks import copy_reward, get_task
-    from hybridflow.engines.models import TINY_QWEN2
+    from hybridflow.data.tasks import get_task
+    from hybridflow.rewards.ending import unfinished_mask
 
-    task = get_task("copy")
+    task = get_task(TASK)
     tokenizer = task.tokenizer()
-    config = Qwen2Config(**(TINY_QWEN2 | MODEL_CONFIG), vocab_size=len(tokenizer),
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=None)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = trl_model(model_config(args), tokenizer, seed)
     rows = task.make_prompts(2000, seed)
     dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in rows])
 
     def reward(prompts, completions, ground_truth, completion_ids, **_):
-        scores = [copy_reward(p, c, g) for p, c, g in zip(prompts, completions, ground_truth)]
-        callback.trl_rewards.append(sum(scores) / len(scores))
-        callback.trl_tokens.append(sum(len(ids) for ids in completion_ids))
-        return scores
+        scores = torch.tensor([task.reward_fn(p, c, g) for p, c, g in zip(prompts, completions, ground_truth)])
+        # The score node's ending rule on TRL's completions (cut after the first EOS, as ours).
+        width = max(len(ids) for ids in completion_ids)
+        ids = torch.tensor([list(c) + [tokenizer.pad_token_id] * (width - len(c)) for c in completion_ids])
+        mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completion_ids])
+        unfinished = unfinished_mask(ids, mask, tokenizer.eos_token_id, tokenizer.all_special_ids)
+        scores = torch.where(unfinished, torch.zeros_like(scores), scores)
+        callback.trl_rewards.append(float(scores.mean()))
+        callback.trl_tokens.append(int(mask.sum()))
+        callback.trl_unfinished.append(float(unfinished.float().mean()))
+        return scores.tolist()
 
-    args = GRPOConfig(
-        output_dir=str(out_dir), max_steps=iterations, per_device_train_batch_size=PROMPTS * SAMPLES,
-        gradient_accumulation_steps=1, steps_per_generation=1, num_generations=SAMPLES,
-        max_completion_length=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0, beta=0.0, num_iterations=1,
-        epsilon=0.2, loss_type="dapo", scale_rewards="group", learning_rate=LR, adam_beta1=0.9,
-        adam_beta2=0.999, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0,
-        max_grad_norm=1.0, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-        bf16=False, seed=seed, disable_dropout=True, dataloader_num_workers=0,
+    config = GRPOConfig(
+        output_dir=str(out_dir), max_steps=args.iterations,
+        per_device_train_batch_size=args.prompts * args.samples, gradient_accumulation_steps=1,
+        steps_per_generation=1, num_generations=args.samples, max_completion_length=args.max_new_tokens,
+        temperature=1.0, top_p=1.0, beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo",
+        scale_rewards="group", learning_rate=args.lr, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, logging_steps=1,
+        report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=seed, disable_dropout=True,
+        dataloader_num_workers=0,
     )
-    return GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
+    return GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
                        processing_class=tokenizer, callbacks=[callback])
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iterations", type=int, default=50)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of the TRL process")
-    parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf",
-                        help="hybridflow's rollout engine (TRL always generates with transformers)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
-                        help="one alternating pair of runs per seed; the table averages them")
+    workload = parser.add_argument_group("workload (the same for both frameworks)")
+    workload.add_argument("--hidden-size", type=int, default=256)
+    workload.add_argument("--layers", type=int, default=4)
+    workload.add_argument("--intermediate-size", type=int, default=512)
+    workload.add_argument("--heads", type=int, default=4, help="attention heads (head size >= 32 for vLLM on CPU)")
+    workload.add_argument("--kv-heads", type=int, default=2)
+    workload.add_argument("--prompts", type=int, default=16, help="prompts per iteration")
+    workload.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    workload.add_argument("--max-new-tokens", type=int, default=64)
+    workload.add_argument("--lr", type=float, default=1e-3)
+    run = parser.add_argument_group("run")
+    run.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                     help="hybridflow's rollout engine (TRL always generates with transformers)")
+    run.add_argument("--iterations", type=int, default=50)
+    run.add_argument("--seeds", type=int, nargs="+", default=[0],
+                     help="one alternating pair of runs per seed; the table averages them")
+    run.add_argument("--json", metavar="FILE", help="also write the results (with per-iteration curves) here")
+    run.add_argument("--warmup", type=int, default=3, help="iterations left out of the timings")
+    run.add_argument("--threads", type=int, default=2, help="torch threads of the TRL process")
     args = parser.parse_args(argv)
+    if args.iterations < max(LAST, args.warmup + 1):
+        parser.error(f"--iterations must be at least {max(LAST, args.warmup + 1)}")
+    if args.hidden_size % args.heads or args.heads % args.kv_heads:
+        parser.error("--hidden-size must divide by --heads, and --heads by --kv-heads")
+    return args
+
+
+def _standard_error(values: list[float]) -> float:
+    return stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+
+
+def summarise(args: argparse.Namespace, runs: list, load_before: tuple, load_after: tuple) -> dict:
+    """The JSON result: averages over seeds, per-seed numbers and per-iteration curves."""
+    w = args.warmup
+    per_seed = []
+    for seed, r in zip(args.seeds, runs):
+        sides = {}
+        for side, times, rewards, tokens, unfinished in (
+            ("trl", r.trl_times, r.trl_rewards, r.trl_tokens, r.trl_unfinished),
+            ("hybridflow", r.hf_times, r.hf_rewards, r.hf_tokens, r.hf_unfinished),
+        ):
+            sides[side] = {
+                "iter_s": mean(times[w:]),
+                "tokens_per_iter": mean(tokens[w:]),
+                "s_per_token": sum(times[w:]) / max(sum(tokens[w:]), 1),
+                "reward_first10": mean(rewards[:LAST]),
+                "reward_last10": mean(rewards[-LAST:]),
+                "unfinished_last10": mean(unfinished[-LAST:]),
+                "curves": {"reward": rewards, "tokens": tokens, "iter_s": times, "unfinished_frac": unfinished},
+            }
+        per_seed.append({"seed": seed, **sides})
+
+    def over(side: str, key: str) -> float:
+        return mean(run[side][key] for run in per_seed)
+
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()} cores, torch {torch.__version__}",
+        "load_average_before": list(load_before),
+        "load_average_after": list(load_after),
+        "workload": {k: getattr(args, k) for k in (
+            "hidden_size", "layers", "intermediate_size", "heads", "kv_heads", "prompts", "samples",
+            "max_new_tokens", "lr")},
+        "iterations": args.iterations,
+        "seeds": args.seeds,
+        "hybridflow_rollout_engine": args.engine,
+        "warmup": w,
+    }
+    for side in ("trl", "hybridflow"):
+        for key in ("iter_s", "tokens_per_iter", "s_per_token", "reward_first10", "reward_last10",
+                    "unfinished_last10"):
+            result[f"{side}_{key}"] = over(side, key)
+        result[f"{side}_reward_last10_stderr"] = _standard_error([run[side]["reward_last10"] for run in per_seed])
+    result["ratio_hybridflow_over_trl"] = result["hybridflow_iter_s"] / result["trl_iter_s"]
+    result["per_seed"] = per_seed
+    return result
+
+
+def print_tables(result: dict) -> None:
+    print()
+    print("| seed | TRL reward first 10 -> last 10 | hybridflow reward first 10 -> last 10 | "
+          "TRL / hybridflow unfinished, last 10 | TRL / hybridflow s per iteration |")
+    print("| --- | --- | --- | --- | --- |")
+    for run in result["per_seed"]:
+        t, h = run["trl"], run["hybridflow"]
+        print(f"| {run['seed']} | {t['reward_first10']:.3f} -> {t['reward_last10']:.3f} | "
+              f"{h['reward_first10']:.3f} -> {h['reward_last10']:.3f} | "
+              f"{t['unfinished_last10']:.2f} / {h['unfinished_last10']:.2f} | "
+              f"{t['iter_s']:.3f} / {h['iter_s']:.3f} |")
+    print()
+    print("| system | mean iteration (s) | tokens generated / iteration | s per generated token | "
+          "mean reward, last 10 (± standard error over seeds) |")
+    print("| --- | --- | --- | --- | --- |")
+    for side, name in (("trl", "TRL 1.16 GRPOTrainer"),
+                       ("hybridflow", f"hybridflow ({result['hybridflow_rollout_engine']} rollout)")):
+        print(f"| {name} | {result[f'{side}_iter_s']:.3f} | {result[f'{side}_tokens_per_iter']:.0f} | "
+              f"{result[f'{side}_s_per_token'] * 1e3:.2f} ms | {result[f'{side}_reward_last10']:.3f} "
+              f"± {result[f'{side}_reward_last10_stderr']:.3f} |")
+    print(f"\nhybridflow / TRL iteration time: {result['ratio_hybridflow_over_trl']:.2f} "
+          f"(load average before/after: {result['load_average_before'][0]:.1f} / "
+          f"{result['load_average_after'][0]:.1f})")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
 
     from transformers import TrainerCallback
@@ -134,8 +269,8 @@ def main(argv=None) -> int:
     class Alternate(TrainerCallback):
         def __init__(self, hf):
             self.hf = hf
-            self.trl_times, self.trl_rewards, self.trl_tokens = [], [], []
-            self.hf_times, self.hf_rewards, self.hf_tokens = [], [], []
+            self.trl_times, self.trl_rewards, self.trl_tokens, self.trl_unfinished = [], [], [], []
+            self.hf_times, self.hf_rewards, self.hf_tokens, self.hf_unfinished = [], [], [], []
 
         def on_step_begin(self, *a, **k):
             self._start = time.perf_counter()
@@ -148,57 +283,25 @@ def main(argv=None) -> int:
             self.hf_times.append(time.perf_counter() - start)
             self.hf_rewards.append(metrics["reward/mean"])
             self.hf_tokens.append(metrics["rollout/num_tokens"])
+            self.hf_unfinished.append(metrics["reward/unfinished_frac"])
             print(f"iter {iteration:3d}  trl {self.trl_times[-1]:6.2f}s r={self.trl_rewards[-1]:.3f}  "
                   f"hybridflow {self.hf_times[-1]:6.2f}s r={self.hf_rewards[-1]:.3f}", flush=True)
 
+    load_before = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="peers-"))
     runs = []
     for seed in args.seeds:
-        hf = hybridflow_trainer(work / f"hybridflow-{seed}", args.iterations, args.engine, seed)
+        hf = hybridflow_trainer(work / f"hybridflow-{seed}", args, seed)
         callback = Alternate(hf)
-        trainer = trl_trainer(work / f"trl-{seed}", args.iterations, callback, seed)
+        trainer = trl_trainer(work / f"trl-{seed}", args, callback, seed)
         try:
             trainer.train()
         finally:
             hf.shutdown()
         runs.append(callback)
 
-    w, last = args.warmup, 10
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    over_runs = lambda get: mean([get(run) for run in runs])  # noqa: E731
-    result = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{os.cpu_count()} cores, torch {torch.__version__}",
-        "iterations": args.iterations,
-        "seeds": args.seeds,
-        "hybridflow_rollout_engine": args.engine,
-        "warmup": w,
-        "trl_iter_s": over_runs(lambda r: mean(r.trl_times[w:])),
-        "hybridflow_iter_s": over_runs(lambda r: mean(r.hf_times[w:])),
-        "trl_tokens_per_iter": over_runs(lambda r: mean(r.trl_tokens[w:])),
-        "hybridflow_tokens_per_iter": over_runs(lambda r: mean(r.hf_tokens[w:])),
-        "trl_reward_last10": over_runs(lambda r: mean(r.trl_rewards[-last:])),
-        "hybridflow_reward_last10": over_runs(lambda r: mean(r.hf_rewards[-last:])),
-        "per_seed": [
-            {"seed": seed, "trl_iter_s": mean(r.trl_times[w:]), "hybridflow_iter_s": mean(r.hf_times[w:]),
-             "trl_reward_last10": mean(r.trl_rewards[-last:]),
-             "hybridflow_reward_last10": mean(r.hf_rewards[-last:])}
-            for seed, r in zip(args.seeds, runs)
-        ],
-    }
-    result["ratio_hybridflow_over_trl"] = result["hybridflow_iter_s"] / result["trl_iter_s"]
-    print()
-    for run in result["per_seed"]:
-        print(f"seed {run['seed']}: iteration TRL {run['trl_iter_s']:.3f} s, hybridflow "
-              f"{run['hybridflow_iter_s']:.3f} s; reward (last 10) TRL {run['trl_reward_last10']:.3f}, "
-              f"hybridflow {run['hybridflow_reward_last10']:.3f}")
-    print("| system | mean iteration (s) | tokens generated / iteration | mean reward, last 10 |")
-    print("| --- | --- | --- | --- |")
-    print(f"| TRL 1.16 GRPOTrainer | {result['trl_iter_s']:.3f} | {result['trl_tokens_per_iter']:.0f} | "
-          f"{result['trl_reward_last10']:.3f} |")
-    print(f"| hybridflow ({args.engine} rollout) | {result['hybridflow_iter_s']:.3f} | {result['hybridflow_tokens_per_iter']:.0f} | "
-          f"{result['hybridflow_reward_last10']:.3f} |")
-    print(f"\nhybridflow / TRL iteration time: {result['ratio_hybridflow_over_trl']:.2f}")
+    result = summarise(args, runs, load_before, os.getloadavg())
+    print_tables(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
