@@ -152,12 +152,20 @@ class RolloutEngine(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def build(
-        cls, module: torch.nn.Module, tokenizer: Any, *, max_model_len: int, max_num_seqs: int, seed: int
+        cls,
+        module: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        max_model_len: int,
+        max_num_seqs: int,
+        seed: int,
+        temperature: float = 1.0,
     ) -> "RolloutEngine":
         """The rollout engine of an actor whose train engine holds ``module`` (the full HF
         model, in this process): it may generate from the module itself or take a copy.
         ``max_num_seqs`` sequences of ``max_model_len`` tokens may be in flight at once (an
-        iteration's samples); ``seed`` differs per rank."""
+        iteration's samples); ``seed`` differs per rank; ``temperature``: that of every
+        non-greedy call (an engine whose recorded log-probs depend on it fixes it here)."""
 
     @abc.abstractmethod
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:

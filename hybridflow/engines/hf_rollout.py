@@ -43,9 +43,17 @@ class HFRolloutEngine(RolloutEngine):
 
     @classmethod
     def build(
-        cls, module: nn.Module, tokenizer, *, max_model_len: int, max_num_seqs: int, seed: int
+        cls,
+        module: nn.Module,
+        tokenizer,
+        *,
+        max_model_len: int,
+        max_num_seqs: int,
+        seed: int,
+        temperature: float = 1.0,
     ) -> "HFRolloutEngine":
-        """Generates from the train engine's own ``module`` (same layout, no copy)."""
+        """Generates from the train engine's own ``module`` (same layout, no copy); records
+        log-probs at each call's own temperature, so ``temperature`` is not needed here."""
         return cls(module, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:

@@ -13,11 +13,18 @@ weights when skipped:
 A plain ``model.load_weights`` after start does not work on CPU: start-up repacks linear
 weights into kernel format and leaves the original parameters empty.
 
-Log-probs follow the transformers engine: ``log_softmax(logits / temperature)`` at the sampled
-token (vLLM's ``processed_logprobs``), zero outside ``response_mask``. Two documented
-differences: with top-k / top-p on, vLLM renormalises over the kept tokens (the distribution it
-sampled from) where the transformers engine does not; a greedy call records log-probs at
-temperature 1. Sleep/wake frees and restores the KV cache on GPU; on CPU it does nothing.
+Log-probs follow the transformers engine (and TRL's training forward): ``log_softmax(logits /
+temperature)`` over the whole vocabulary at the sampled token, zero outside ``response_mask``,
+whatever top-k / top-p leave to sample from. vLLM records one of two things per engine
+(``logprobs_mode``, fixed at start; ``vllm_logprobs_mode`` picks it from the rollout
+temperature): ``raw_logprobs`` are taken before temperature and filters, ``processed_logprobs``
+after both. At temperature 1 the raw ones are exactly the above; at another temperature the
+processed ones are, as long as top-k / top-p are off. With both (temperature != 1 and a filter)
+vLLM has no mode for it: the engine records the processed log-probs, renormalised over the
+kept tokens, higher by ``-log(kept probability mass)`` (measured in benchmarks/RESULTS.md). They
+only feed the rollout/training consistency metrics, never the loss. A greedy call records
+log-probs at temperature 1. Sleep/wake frees and restores the KV cache on GPU; on CPU it does
+nothing.
 
 vLLM is imported only when an engine is built: validating a graph never loads it. Set
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` before the import (``import_vllm`` does) so the engine
@@ -93,6 +100,12 @@ def kv_cache_bytes_for(config: Any, num_sequences: int, max_model_len: int, floo
     return max(floor, num_sequences * max_model_len * per_token)
 
 
+def vllm_logprobs_mode(temperature: float) -> str:
+    """The vLLM ``logprobs_mode`` whose sampled-token log-prob is ``log_softmax(logits / T)``
+    over the whole vocabulary (see the module docstring for the one case it cannot be)."""
+    return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
+
+
 def _retie_and_repack(worker: Any) -> int:
     """Runs inside vLLM's worker: re-tie a tied lm_head to the embedding and re-pack it.
 
@@ -119,6 +132,8 @@ class VLLMRolloutEngine(RolloutEngine):
         seed: vLLM's engine seed (it re-seeds the process's RNGs at start; on CPU sampling
             then draws from torch's global RNG, which the worker seeds per rank afterwards).
         dtype: weights and activations ("float32" makes rollout and training log-probs agree).
+        temperature: the sampling temperature of every non-greedy call; it fixes what vLLM
+            records as log-probs (``vllm_logprobs_mode``).
         kv_cache_bytes: KV cache size on CPU (vLLM's memory-fraction default would take most
             of a shared machine's RAM).
         gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
@@ -133,6 +148,7 @@ class VLLMRolloutEngine(RolloutEngine):
         max_model_len: int,
         seed: int = 0,
         dtype: str = "float32",
+        temperature: float = 1.0,
         kv_cache_bytes: int = 64 << 20,
         gpu_memory_utilization: float = 0.3,
     ) -> None:
@@ -142,6 +158,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.max_model_len = max_model_len
+        self.temperature = temperature
         memory = (
             dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
             if self.on_gpu
@@ -154,8 +171,7 @@ class VLLMRolloutEngine(RolloutEngine):
             max_model_len=max_model_len,
             # Token ids in, token ids out: vLLM needs no tokenizer and never detokenizes.
             skip_tokenizer_init=True,
-            # log-probs of the distribution sampled from (after temperature), not raw logits.
-            logprobs_mode="processed_logprobs",
+            logprobs_mode=vllm_logprobs_mode(temperature),
             enforce_eager=True,
             disable_log_stats=True,
             **memory,
@@ -168,7 +184,14 @@ class VLLMRolloutEngine(RolloutEngine):
 
     @classmethod
     def build(
-        cls, module: nn.Module, tokenizer: Any, *, max_model_len: int, max_num_seqs: int, seed: int
+        cls,
+        module: nn.Module,
+        tokenizer: Any,
+        *,
+        max_model_len: int,
+        max_num_seqs: int,
+        seed: int,
+        temperature: float = 1.0,
     ) -> "VLLMRolloutEngine":
         """Starts once from ``module``'s initial weights written to a temporary HF directory
         (removed once loaded), then takes every update in memory through ``load_weights``."""
@@ -183,6 +206,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 seed=seed,
                 dtype=str(module.dtype).removeprefix("torch."),
                 kv_cache_bytes=kv_cache_bytes_for(module.config, max_num_seqs, max_model_len),
+                temperature=temperature,
             )
         finally:
             shutil.rmtree(model_dir, ignore_errors=True)
@@ -201,6 +225,11 @@ class VLLMRolloutEngine(RolloutEngine):
         )
         if params.greedy:
             return self._sampling_params_cls(temperature=0.0, **common)
+        if params.temperature != self.temperature:
+            raise ValueError(
+                f"this vLLM engine records log-probs for temperature {self.temperature:g} "
+                f"(logprobs_mode is fixed at start); got a call at {params.temperature:g}"
+            )
         return self._sampling_params_cls(
             temperature=params.temperature,
             top_p=params.top_p,

@@ -103,6 +103,7 @@ class ModelWorker(Worker):
                     # A whole iteration's samples fit in the KV cache at once (one batch per generate call).
                     max_num_seqs=data.prompts_per_iteration * rollout.n,
                     seed=seed * 1000 + rank,
+                    temperature=rollout.temperature,
                 )
                 self.weight_syncs[name] = weight_sync(engine, rollout)  # collective when resharded
         # Different ranks must sample differently; the same rank the same way every run.
