@@ -87,8 +87,22 @@ def trl_model(config_overrides: dict, tokenizer, seed: int):
     return Qwen2ForCausalLM(config)
 
 
-def hybridflow_trainer(run_dir: Path, args: argparse.Namespace, seed: int):
-    from hybridflow.controller.trainer import Trainer
+def trl_scores(task, tokenizer, prompts, completions, ground_truth, completion_ids):
+    """TRL's side of the reward: the task's rule on the decoded completions, then the score
+    node's ending rule on ``completion_ids`` (cut after the first EOS, as ours are), by the same
+    function hybridflow's score op calls. Returns (B,) scores and the (B,) unfinished mask."""
+    from hybridflow.rewards.ending import unfinished_mask
+
+    scores = torch.tensor([task.reward_fn(p, c, g) for p, c, g in zip(prompts, completions, ground_truth)])
+    width = max(len(ids) for ids in completion_ids)
+    ids = torch.tensor([list(c) + [tokenizer.pad_token_id] * (width - len(c)) for c in completion_ids])
+    mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completion_ids])
+    unfinished = unfinished_mask(ids, mask, tokenizer.eos_token_id, tokenizer.all_special_ids)
+    return torch.where(unfinished, torch.zeros_like(scores), scores), unfinished
+
+
+def peers_graph(args: argparse.Namespace, seed: int):
+    """hybridflow's side of the workload: the GRPO graph at TRL's settings."""
     from hybridflow.graph.builder import GraphBuilder
 
     g = GraphBuilder("peers", resources=str(ROOT / "resource_pools/local_cpu.yaml"))
@@ -110,7 +124,13 @@ def hybridflow_trainer(run_dir: Path, args: argparse.Namespace, seed: int):
     g.data(source=f"builtin:{TASK}", prompts_per_iteration=args.prompts, max_prompt_length=8,
            max_response_length=args.max_new_tokens, seed=seed)
     g.trainer(iterations=args.iterations, seed=seed, val_interval=0, progress=False, save_final=False)
-    trainer = Trainer(g.build(), run_dir=str(run_dir))
+    return g.build()
+
+
+def hybridflow_trainer(run_dir: Path, args: argparse.Namespace, seed: int):
+    from hybridflow.controller.trainer import Trainer
+
+    trainer = Trainer(peers_graph(args, seed), run_dir=str(run_dir))
     trainer._setup()
     return trainer
 
@@ -120,7 +140,6 @@ def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
     from trl import GRPOConfig, GRPOTrainer
 
     from hybridflow.data.tasks import get_task
-    from hybridflow.rewards.ending import unfinished_mask
 
     task = get_task(TASK)
     tokenizer = task.tokenizer()
@@ -129,15 +148,9 @@ def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
     dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in rows])
 
     def reward(prompts, completions, ground_truth, completion_ids, **_):
-        scores = torch.tensor([task.reward_fn(p, c, g) for p, c, g in zip(prompts, completions, ground_truth)])
-        # The score node's ending rule on TRL's completions (cut after the first EOS, as ours).
-        width = max(len(ids) for ids in completion_ids)
-        ids = torch.tensor([list(c) + [tokenizer.pad_token_id] * (width - len(c)) for c in completion_ids])
-        mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completion_ids])
-        unfinished = unfinished_mask(ids, mask, tokenizer.eos_token_id, tokenizer.all_special_ids)
-        scores = torch.where(unfinished, torch.zeros_like(scores), scores)
+        scores, unfinished = trl_scores(task, tokenizer, prompts, completions, ground_truth, completion_ids)
         callback.trl_rewards.append(float(scores.mean()))
-        callback.trl_tokens.append(int(mask.sum()))
+        callback.trl_tokens.append(sum(len(ids) for ids in completion_ids))
         callback.trl_unfinished.append(float(unfinished.float().mean()))
         return scores.tolist()
 

@@ -1,0 +1,93 @@
+"""benchmarks/peers.py without TRL: both sides start from the same weights; workload flags; JSON.
+
+The initial weights: hybridflow's workers build the actor from ``source: {config: ...}`` with
+``trainer.seed`` (``build_causal_lm``, inside a forked RNG); peers.py's TRL side seeds torch and
+instantiates ``Qwen2ForCausalLM(config)``. They must be equal, bit for bit, or the comparison
+starts from two different policies.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hybridflow.data.tasks import get_task
+from hybridflow.engines.models import build_causal_lm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _peers():
+    spec = importlib.util.spec_from_file_location("peers", ROOT / "benchmarks" / "peers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "flags, seed",
+    [([], 0), (["--hidden-size", "64", "--layers", "2", "--intermediate-size", "96", "--heads", "2",
+                "--kv-heads", "1"], 7)],
+)
+def test_initial_weights_equal_trl_side(flags, seed):
+    peers = _peers()
+    args = peers.parse_args(flags)
+    graph = peers.peers_graph(args, seed)
+    actor = graph.spec.models["actor"]
+    tokenizer = get_task(peers.TASK).tokenizer()
+    ours = build_causal_lm(actor.source, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id,
+                           seed=graph.spec.trainer.seed, dtype=actor.train.dtype)
+    theirs = peers.trl_model(peers.model_config(args), tokenizer, seed)
+    a, b = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    assert ours.config.hidden_size == args.hidden_size and ours.config.num_key_value_heads == args.kv_heads
+    # Another seed gives other weights: the comparison above can fail.
+    other = peers.trl_model(peers.model_config(args), tokenizer, seed + 1)
+    assert not torch.equal(other.model.embed_tokens.weight, theirs.model.embed_tokens.weight)
+
+
+def test_workload_flags_reach_the_graph():
+    peers = _peers()
+    args = peers.parse_args(["--hidden-size", "128", "--layers", "3", "--intermediate-size", "256", "--heads", "4",
+                             "--kv-heads", "2", "--prompts", "6", "--samples", "5", "--max-new-tokens", "12",
+                             "--lr", "3e-4", "--engine", "vllm", "--iterations", "20", "--seeds", "1", "2"])
+    spec = peers.peers_graph(args, 2).spec
+    actor = spec.models["actor"]
+    assert actor.source.config == {"hidden_size": 128, "num_hidden_layers": 3, "intermediate_size": 256,
+                                   "num_attention_heads": 4, "num_key_value_heads": 2}
+    assert (actor.rollout.n, actor.rollout.engine, actor.train.optim.lr) == (5, "vllm", 3e-4)
+    assert (spec.data.prompts_per_iteration, spec.data.max_response_length) == (6, 12)
+    assert spec.trainer.seed == spec.data.seed == 2 and args.seeds == [1, 2]
+    advantage = next(n for n in spec.nodes if n.op == "advantage").options
+    assert advantage.epsilon == peers.TRL_STD_EPSILON == 1e-4
+    defaults = peers.parse_args([])
+    assert (defaults.hidden_size, defaults.layers, defaults.prompts, defaults.samples,
+            defaults.max_new_tokens, defaults.lr, defaults.iterations) == (256, 4, 16, 8, 64, 1e-3, 50)
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--hidden-size", "100", "--heads", "3"])
+
+
+def test_summary_keeps_the_keys_and_adds_curves():
+    peers = _peers()
+    args = peers.parse_args(["--iterations", "12", "--seeds", "0", "1", "--warmup", "2"])
+    runs = []
+    for offset in (0.0, 0.1):
+        rewards = [offset + i / 20 for i in range(12)]
+        runs.append(SimpleNamespace(
+            trl_times=[1.0] * 12, trl_rewards=rewards, trl_tokens=[100] * 12, trl_unfinished=[0.5] * 12,
+            hf_times=[0.5] * 12, hf_rewards=rewards, hf_tokens=[50] * 12, hf_unfinished=[0.25] * 12,
+        ))
+    result = peers.summarise(args, runs, (1.0, 1.0, 1.0), (2.0, 2.0, 2.0))
+    for key in ("ratio_hybridflow_over_trl", "hybridflow_reward_last10", "trl_reward_last10",
+                "hybridflow_tokens_per_iter", "trl_tokens_per_iter"):
+        assert key in result
+    assert result["ratio_hybridflow_over_trl"] == pytest.approx(0.5)
+    assert result["trl_s_per_token"] == pytest.approx(0.01) and result["hybridflow_s_per_token"] == pytest.approx(0.01)
+    assert result["hybridflow_reward_last10"] == pytest.approx(sum(i / 20 for i in range(2, 12)) / 10 + 0.05)
+    assert result["per_seed"][1]["hybridflow"]["curves"]["reward"] == runs[1].hf_rewards
+    assert result["workload"]["hidden_size"] == 256 and result["load_average_after"][0] == 2.0
