@@ -3,7 +3,7 @@
     make install-peers                      # .venv-peers: the project plus trl==1.16.0
     .venv-peers/bin/python benchmarks/peers.py [--engine hf|vllm] [--seeds 0 1 2] [--json out.json]
         [--hidden-size 256 --layers 4 --intermediate-size 512 --heads 4 --kv-heads 2]
-        [--prompts 16 --samples 8 --max-new-tokens 64 --lr 1e-3] [--iterations 50]
+        [--prompts 16 --samples 8 --max-new-tokens 64 --lr 1e-3 --temperature 1.0] [--iterations 50]
 
 Workload (the same for both; the defaults in brackets): a random-init Qwen2 built from one
 config (hidden [256], [4] layers, intermediate [512], [4] heads, [2] KV heads, tied embeddings),
@@ -11,7 +11,7 @@ the built-in character tokenizer and `copy` task with its per-position accuracy 
 score node's ending rule (a response that did not end scores 0: no EOS within the limit, or a
 special token right before EOS; `hybridflow.rewards.ending`, applied to TRL's `completion_ids`
 by the same function), [16] prompts x [8] samples per iteration, up to [64] new tokens at
-temperature 1.0, no KL term (TRL beta=0), AdamW lr [1e-3] (betas 0.9/0.999, eps 1e-8, no
+temperature [1.0], no KL term (TRL beta=0), AdamW lr [1e-3] (betas 0.9/0.999, eps 1e-8, no
 weight decay), grad clip 1.0, one optimizer step per rollout batch.
 
 TRL settings that make the algorithm equal (`tests/test_trl_equivalence.py` proves the first
@@ -111,7 +111,7 @@ def peers_graph(args: argparse.Namespace, seed: int):
         role="actor",
         source={"config": model_config(args)},
         train={"micro_batch_size": 64, "optim": {"lr": args.lr, "betas": [0.9, 0.999], "grad_clip": 1.0}},
-        rollout={"engine": args.engine, "n": args.samples, "temperature": 1.0},
+        rollout={"engine": args.engine, "n": args.samples, "temperature": args.temperature},
     )
     g.model("reward", role="reward", source={"rule": f"hybridflow.data.tasks:{TASK}_reward"})
     g.place({"actor": "default", "reward": "default"})
@@ -158,7 +158,7 @@ def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
         output_dir=str(out_dir), max_steps=args.iterations,
         per_device_train_batch_size=args.prompts * args.samples, gradient_accumulation_steps=1,
         steps_per_generation=1, num_generations=args.samples, max_completion_length=args.max_new_tokens,
-        temperature=1.0, top_p=1.0, beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo",
+        temperature=args.temperature, top_p=1.0, beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo",
         scale_rewards="group", learning_rate=args.lr, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, logging_steps=1,
         report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=seed, disable_dropout=True,
@@ -180,6 +180,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     workload.add_argument("--samples", type=int, default=8, help="samples per prompt")
     workload.add_argument("--max-new-tokens", type=int, default=64)
     workload.add_argument("--lr", type=float, default=1e-3)
+    workload.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     run = parser.add_argument_group("run")
     run.add_argument("--engine", choices=["hf", "vllm"], default="hf",
                      help="hybridflow's rollout engine (TRL always generates with transformers)")
@@ -232,7 +233,7 @@ def summarise(args: argparse.Namespace, runs: list, load_before: tuple, load_aft
         "load_average_after": list(load_after),
         "workload": {k: getattr(args, k) for k in (
             "hidden_size", "layers", "intermediate_size", "heads", "kv_heads", "prompts", "samples",
-            "max_new_tokens", "lr")},
+            "max_new_tokens", "lr", "temperature")},
         "iterations": args.iterations,
         "seeds": args.seeds,
         "hybridflow_rollout_engine": args.engine,
