@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,7 @@ TOLERANCE = 1e-5
 # Weights after AdamW steps: a gradient entry far below AdamW's eps (1e-8; some here are 1e-9)
 # turns float noise of 1e-7 into a visible step, so the weights get 5% of one lr step.
 WEIGHT_TOLERANCE = 5e-5
+SPAWN_TIMEOUT_S = 600  # a rank stuck in the rendezvous (a port taken meanwhile) fails the test
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 SEED, LR, TEMPERATURE, NUM_STEPS = 3, 1e-3, 0.5, 2
 PROMPTS = ["abc=", "hgfe=", "dd=", "cabba="]
@@ -212,7 +214,14 @@ def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("trl_equivalence")
     TOKENIZER.save_pretrained(tmp / "tokenizer")
     torch.set_num_threads(1)
-    mp.spawn(_rank, args=(2, _free_port(), str(tmp / "tokenizer"), str(tmp / "hybridflow.pt")), nprocs=2, join=True)
+    ranks = mp.spawn(_rank, args=(2, _free_port(), str(tmp / "tokenizer"), str(tmp / "hybridflow.pt")),
+                     nprocs=2, join=False)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not ranks.join(timeout=5):  # raises if a rank failed
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the two hybridflow ranks did not finish within {SPAWN_TIMEOUT_S} s")
     hybridflow = torch.load(tmp / "hybridflow.pt")
     return {"hybridflow": hybridflow["variants"], "adamw": hybridflow["adamw"], "trl": _reference()}
 
