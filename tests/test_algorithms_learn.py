@@ -2,7 +2,8 @@
 
 One full default run per graph file (``graphs/<name>.yaml``, no override but the run directory
 and the progress bar): the mean reward of the last 10 iterations must beat the first 10 by at
-least 0.2. PPO: the critic's explained variance over the last 10 iterations is positive and
+least 0.2. GRPO (the showcase run) must also learn to stop: at most 10% of its responses
+truncated over the last 10 iterations, with the reward up by at least 0.3. PPO: the critic's explained variance over the last 10 iterations is positive and
 above the first 10's. Safe-RLHF: the mean cost starts above its threshold and ends below it, and
 the Lagrange multiplier rises while the cost is above the threshold.
 
@@ -43,6 +44,10 @@ def test_default_run_learns(ray_session, tmp_path, name):
     rows = run_default(name, tmp_path / name)
     first, last = first_last(rows, "reward/mean")
     assert last - first >= 0.2, f"{name}: reward {first:.3f} -> {last:.3f}"
+    if name == "grpo":
+        assert last - first >= 0.3, f"{name}: reward {first:.3f} -> {last:.3f}"
+        _, truncated = first_last(rows, "response/truncated_frac")
+        assert truncated <= 0.1, f"{name}: {truncated:.2f} of the last 10 iterations' responses truncated"
     for row in rows:
         # explained variance is nan for a batch whose returns are all equal
         assert all(math.isfinite(v) for k, v in row.items() if not k.endswith("/explained_var")), row
