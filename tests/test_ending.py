@@ -77,3 +77,48 @@ def test_resolve_unfinished(mode, role, expected):
 def test_unfinished_option_is_validated():
     with pytest.raises(ValueError, match="unfinished"):
         ScoreOptions(unfinished="zero")
+
+
+def always_one(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """A verl-style compute_score that likes every answer."""
+    return 1.0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_score_op_applies_the_rule_on_the_compute_score_path(tmp_path):
+    """The real score op, with a compute_score source: the ending rule overrides its score."""
+    from tensordict import NonTensorStack
+
+    from hybridflow.graph.builder import GraphBuilder
+    from hybridflow.workers.model_worker import ModelWorker
+
+    g = GraphBuilder("ending")
+    g.model("actor", role="actor", source={"config": {"hidden_size": 32, "num_hidden_layers": 1}},
+            rollout={"engine": "hf", "n": 1})
+    g.model("reward", role="reward", source={"compute_score": f"{__name__}:always_one"})
+    g.node("generate", "generate", model="actor", inputs=["prompts"], outputs=["responses"])
+    g.node("reward", "score", model="reward", inputs=["responses"], outputs=["scores"], num_workers=0)
+    g.node("advantage", "advantage", model="actor", inputs=["responses", "scores"], outputs=["advantages"],
+           estimator="grpo")
+    g.node("update_actor", "update", model="actor", inputs=["responses", "advantages"], outputs=[])
+    g.data(source="builtin:copy", prompts_per_iteration=2, max_prompt_length=8, max_response_length=4)
+    TOKENIZER.save_pretrained(tmp_path / "tokenizer")
+    worker = ModelWorker(0, 1, "127.0.0.1", _free_port(), torch.get_num_threads(), graph=g.build(),
+                         models=["reward"], tokenizer_dir=str(tmp_path / "tokenizer"), total_steps=1)
+    try:
+        batch = _batch()
+        batch[K.PROMPT_TEXT] = NonTensorStack(*["ab="] * len(CASES))
+        batch[K.GROUND_TRUTH] = NonTensorStack(*["ab"] * len(CASES))
+        scored, meta = worker.run_op(batch, node="reward")
+    finally:
+        worker.shutdown()
+    ended = [ended for _, ended in CASES]
+    assert scored[K.SCORES].tolist() == [1.0 if e else 0.0 for e in ended]
+    assert meta["metrics"]["reward/unfinished_frac"] == pytest.approx(1 - sum(ended) / len(CASES))
