@@ -116,7 +116,8 @@ def test_score_op_applies_the_rule_on_the_compute_score_path(tmp_path):
         batch = _batch()
         batch[K.PROMPT_TEXT] = NonTensorStack(*["ab="] * len(CASES))
         batch[K.GROUND_TRUTH] = NonTensorStack(*["ab"] * len(CASES))
-        scored, meta = worker.run_op(batch, node="reward")
+        layout = worker.graph.dispatch_layout(worker.graph.node("reward"))
+        scored, meta = worker.run_op(batch, node="reward", coords=layout.coords(0))
     finally:
         worker.shutdown()
     ended = [ended for _, ended in CASES]

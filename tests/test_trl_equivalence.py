@@ -116,6 +116,12 @@ def _graph():
     return _peers().peers_graph(args, SEED)
 
 
+def _run_op(worker, rank: int, batch: TensorDict, node: str, **kw):
+    """``worker``'s node as the controller calls it, with this rank's coords in its layout."""
+    layout = worker.graph.dispatch_layout(worker.graph.node(node))
+    return worker.run_op(batch, node=node, coords=layout.coords(rank), **kw)
+
+
 def _rank(rank: int, world_size: int, port: int, tokenizer_dir: str, out: str) -> None:
     from hybridflow.workers.model_worker import ModelWorker
 
@@ -135,7 +141,7 @@ def _rank(rank: int, world_size: int, port: int, tokenizer_dir: str, out: str) -
         )
         per_rank = len(PROMPTS) * NUM_GENERATIONS // world_size
         local = _batch()[rank * per_rank : (rank + 1) * per_rank]
-        scored, _ = worker.run_op(local, node="reward")  # the ops as the controller runs them
+        scored, _ = _run_op(worker, rank, local, "reward")  # the ops as the controller runs them
         local.update(scored)
         results = {}
         for variant, (adv_options, update_options, adamw) in HYBRIDFLOW_VARIANTS.items():
@@ -143,13 +149,13 @@ def _rank(rank: int, world_size: int, port: int, tokenizer_dir: str, out: str) -
             engine.optimizer.param_groups[0].update(adamw)
             captured.clear()
             advantage = graph.node("advantage").spec.options.model_copy(update=adv_options)
-            adv, _ = worker.run_op(local, node="advantage", options=advantage)
+            adv, _ = _run_op(worker, rank, local, "advantage", options=advantage)
             batch = local.clone()
             batch.update(adv)
             update = graph.node("update_actor").spec.options.model_copy(update=update_options)
             steps = []
             for _ in range(NUM_STEPS):
-                _, meta = worker.run_op(batch, node="update_actor", options=update)
+                _, meta = _run_op(worker, rank, batch, "update_actor", options=update)
                 steps.append({"loss": meta["metrics"]["actor/loss"], "grad_norm": meta["metrics"]["actor/grad_norm"],
                               "weights": {k: v.clone() for k, v in engine.named_weights()}})
             for step, grads in zip(steps, captured, strict=True):
