@@ -46,6 +46,7 @@ EXEMPT = {
     r"^make test(-fast)?\b": "CI's .ci/run runs `make test`, which runs this file",
     r"--address auto\b": "needs a running Ray cluster; `ray.init(address=...)` is Ray's own code path",
     r"^tensorboard\b": "starts a web server; the event files it reads are checked in tests/test_loggers.py",
+    r"grpo_smollm2\.yaml|runs/smollm2\b": "tests/test_smollm2.py runs the SmolLM2 run, both evals and the plot, shrunk",
 }
 SMALL_RUN = [
     "trainer.iterations=2", "trainer.val_interval=2", "data.prompts_per_iteration=4",

@@ -46,6 +46,8 @@ def test_packaged_model_tokenizer_and_chat_rendering(smollm2_dir):
 
 
 def test_two_iterations_of_the_shipped_graph_then_eval(tmp_path, monkeypatch, capsys, smollm2_dir):
+    """The README's SmolLM2 commands (tests/test_docs.py leaves them to this test), shrunk:
+    run, eval the base (transformers) and the trained actor (vLLM, the graph's engine), plot."""
     monkeypatch.chdir(ROOT)
     run_dir = tmp_path / "run"
     assert main(["run", GRAPH, *SMALL, "--run-dir", str(run_dir)]) == 0
@@ -57,12 +59,20 @@ def test_two_iterations_of_the_shipped_graph_then_eval(tmp_path, monkeypatch, ca
     assert sample["prompt"].startswith("<|im_start|>system\n") and sample["prompt"].endswith("<|im_start|>assistant\n")
     assert (run_dir / "actor" / "config.json").is_file()
 
-    out = tmp_path / "eval.json"
-    capsys.readouterr()
-    assert main(["eval", GRAPH, "data.max_response_length=16", "--actor", str(run_dir), "--limit", "4",
-                 "--k", "2", "--engine", "hf", "--json", str(out)]) == 0
-    table = capsys.readouterr().out
-    assert "greedy_accuracy" in table and "pass@2" in table
-    results = json.loads(out.read_text())
-    assert results["summary"]["prompts"] == 4 and len(results["prompts"]) == 4
-    assert 0.0 <= results["summary"]["pass@1"] <= results["summary"]["pass@2"] <= 1.0
+    evals = {}
+    for name, actor in (("base", ["--engine", "hf"]), ("trained", ["--actor", str(run_dir)])):
+        out = tmp_path / f"eval_{name}.json"
+        capsys.readouterr()
+        assert main(["eval", GRAPH, "data.max_response_length=16", *actor, "--limit", "4", "--k", "2",
+                     "--json", str(out)]) == 0
+        table = capsys.readouterr().out
+        assert "greedy_accuracy" in table and "pass@2" in table
+        evals[name] = json.loads(out.read_text())
+        assert evals[name]["summary"]["prompts"] == 4 and len(evals[name]["prompts"]) == 4
+        assert 0.0 <= evals[name]["summary"]["pass@1"] <= evals[name]["summary"]["pass@2"] <= 1.0
+    assert evals["base"]["actor"] == "base" and evals["trained"]["engine"] == "vllm"
+    # Both score the same test problems.
+    assert [p["origin"] for p in evals["base"]["prompts"]] == [p["origin"] for p in evals["trained"]["prompts"]]
+
+    assert main(["plot", str(run_dir), "--out", str(tmp_path / "plot.png")]) == 0
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
