@@ -13,7 +13,9 @@ every row of ``data.val_files``; ``data.val_files=FILE`` as an override scores a
 the graph's chat rendering. Each prompt gets one greedy response and ``--samples`` sampled ones
 (the actor's rollout temperature, top-p, top-k); every response is scored by the graph's reward
 (the model of its first score node, with that node's options), in the same process, without
-Ray. A response is correct when its score is at least ``--threshold`` (default 1.0).
+Ray. A response is correct when its score is at least ``--threshold`` (default 1.0). The score
+node's ending rule (``options.unfinished``) is a training signal and is not applied: a
+truncated response whose answer is right counts as right; ``truncated_frac`` reports them.
 
 - ``greedy_accuracy``: correct greedy responses / prompts;
 - ``pass@k``: the unbiased estimate ``1 - C(n - c, k) / C(n, k)`` averaged over prompts, with
@@ -31,6 +33,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -121,6 +124,7 @@ def evaluate(
     from hybridflow.controller.preflight import check_model_paths, run_tokenizer
     from hybridflow.data.datasets import DataError, collate_prompts, load_data
     from hybridflow.graph.dag import load_graph
+    from hybridflow.rewards.ending import scorer_options
     from hybridflow.rewards.remote import RewardSources, row_fields
     from hybridflow.spec.loading import SpecError
 
@@ -157,20 +161,24 @@ def evaluate(
             source = source.model_copy(update={"config": None, "path": str(directory), "gguf": None, "package": None})
     rollout = actor_spec.rollout
     engine = engine or (rollout.engine if rollout is not None else "hf")
-    generate = _generator(engine, source, tokenizer, spec, None if checkpoint is None else (checkpoint, actor_name))
+    temperature = rollout.temperature if rollout else 1.0
+    trained = None if checkpoint is None else (checkpoint, actor_name)
+    generate = _generator(engine, source, tokenizer, spec, temperature, trained)
 
     from hybridflow.engines.base import SamplingParams
 
     max_new = spec.data.max_response_length
+    print(f"eval: {len(rows)} prompts, greedy, then {samples} samples each at temperature "
+          f"{temperature:g} ({engine})", file=sys.stderr)
     greedy = generate(prompts, SamplingParams(n=1, max_new_tokens=max_new, greedy=True))
     sampled = generate(prompts, SamplingParams(
-        n=samples, temperature=rollout.temperature if rollout else 1.0,
+        n=samples, temperature=temperature,
         top_p=rollout.top_p if rollout else 1.0, top_k=rollout.top_k if rollout else 0,
         max_new_tokens=max_new,
     ))
 
     scorer = RewardSources(reward_spec.source)
-    options = score_node.spec.options.model_dump()
+    options = scorer_options(score_node.spec.options)
     try:
         greedy_scores, greedy_texts = _score(scorer, greedy, tokenizer, options, row_fields)
         sample_scores, _ = _score(scorer, sampled, tokenizer, options, row_fields)
@@ -219,10 +227,11 @@ def _score(scorer, batch, tokenizer, options, row_fields):
     return result.scores, texts
 
 
-def _generator(engine: str, source, tokenizer, spec, trained: tuple[Path, str] | None = None):
-    """``generate(prompts, params) -> batch`` on one in-process rollout engine; ``trained``:
-    (checkpoint, model) whose weights are loaded over the source's, whichever engine and layout
-    saved them."""
+def _generator(engine: str, source, tokenizer, spec, temperature: float, trained: tuple[Path, str] | None = None):
+    """``generate(prompts, params) -> batch`` on one in-process rollout engine, with a progress
+    bar; ``temperature``: the sampled calls' (vLLM fixes its log-prob mode for it at start);
+    ``trained``: (checkpoint, model) whose weights are loaded over the source's, whichever engine
+    and layout saved them."""
     from hybridflow.engines.models import build_causal_lm, model_dir
     from hybridflow.workers.checkpointing import read_hf_weights
 
@@ -247,7 +256,8 @@ def _generator(engine: str, source, tokenizer, spec, trained: tuple[Path, str] |
             rollout = VLLMRolloutEngine(
                 directory, eos_id=eos_id, pad_id=pad_id,
                 max_model_len=spec.data.max_prompt_length + spec.data.max_response_length,
-                seed=spec.trainer.seed, kv_cache_bytes=256 << 20,
+                seed=spec.trainer.seed, kv_cache_bytes=256 << 20, temperature=temperature,
+                progress=True,
             )
         finally:
             if scratch:
@@ -262,9 +272,14 @@ def _generator(engine: str, source, tokenizer, spec, trained: tuple[Path, str] |
     rollout = HFRolloutEngine(build(), eos_id=eos_id, pad_id=pad_id)
 
     def generate(prompts, params, chunk: int = 32):
-        import torch as _torch
+        from tqdm import tqdm
 
-        parts = [rollout.generate(prompts[i : i + chunk], params) for i in range(0, prompts.batch_size[0], chunk)]
-        return _torch.cat(parts) if len(parts) > 1 else parts[0]
+        num = prompts.batch_size[0]
+        parts = []
+        with tqdm(total=num, desc="greedy" if params.greedy else f"{params.n} samples", unit="prompt") as bar:
+            for i in range(0, num, chunk):
+                parts.append(rollout.generate(prompts[i : i + chunk], params))
+                bar.update(min(chunk, num - i))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     return generate

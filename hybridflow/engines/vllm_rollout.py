@@ -137,6 +137,8 @@ class VLLMRolloutEngine(RolloutEngine):
         kv_cache_bytes: KV cache size on CPU (vLLM's memory-fraction default would take most
             of a shared machine's RAM).
         gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
+        progress: show vLLM's progress bar on every ``generate`` (for one-shot commands such
+            as ``hybridflow eval``; a training run has its own).
     """
 
     def __init__(
@@ -151,6 +153,7 @@ class VLLMRolloutEngine(RolloutEngine):
         temperature: float = 1.0,
         kv_cache_bytes: int = 64 << 20,
         gpu_memory_utilization: float = 0.3,
+        progress: bool = False,
     ) -> None:
         vllm = import_vllm()
         self.on_gpu = torch.cuda.is_available()
@@ -159,6 +162,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.pad_id = pad_id
         self.max_model_len = max_model_len
         self.temperature = temperature
+        self.progress = progress  # vLLM's own progress bar per generate call (one-shot commands)
         memory = (
             dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
             if self.on_gpu
@@ -252,7 +256,7 @@ class VLLMRolloutEngine(RolloutEngine):
         requests = [
             {"prompt_token_ids": ids[mask].tolist()} for ids, mask in zip(prompt_ids, prompt_mask)
         ]
-        outputs = self.llm.generate(requests, self._vllm_params(params), use_tqdm=False)
+        outputs = self.llm.generate(requests, self._vllm_params(params), use_tqdm=self.progress)
 
         num_samples = len(requests) * params.n
         responses = torch.full((num_samples, params.max_new_tokens), self.pad_id, dtype=torch.int64)

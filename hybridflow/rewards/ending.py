@@ -28,6 +28,14 @@ from hybridflow.data import keys as K
 from hybridflow.spec.graph import ScoreOptions
 
 
+ENDING_FIELDS = frozenset({"unfinished", "unfinished_score"})  # ScoreOptions fields of this rule
+
+
+def scorer_options(options: ScoreOptions) -> dict:
+    """The scorer's keywords: every ``ScoreOptions`` field but the ending rule's."""
+    return options.model_dump(exclude=ENDING_FIELDS)
+
+
 def unfinished_mask(
     responses: torch.Tensor, response_mask: torch.Tensor, eos_id: int, special_ids: Collection[int]
 ) -> torch.Tensor:

@@ -24,7 +24,7 @@ from hybridflow.engines.models import build_causal_lm, build_value_model
 from hybridflow.hybrid_engine.consistency import ConsistencyStats, check_consistency
 from hybridflow.hybrid_engine.sync import WeightSync, weight_sync
 from hybridflow.graph.dag import Graph, Node
-from hybridflow.rewards.ending import apply_ending_rule
+from hybridflow.rewards.ending import apply_ending_rule, scorer_options
 from hybridflow.rewards.remote import RewardSources, row_fields
 from hybridflow.spec.graph import Spec, UpdateOptions
 from hybridflow.spec.layout import RankCoords
@@ -185,8 +185,7 @@ class ModelWorker(Worker):
                 batch.get(K.PROMPT_TEXT).tolist(),
                 responses,
                 batch.get(K.GROUND_TRUTH).tolist(),
-                # the scorer's keywords: every ScoreOptions field but the ending rule's
-                **opts.model_dump(exclude={"unfinished", "unfinished_score"}),
+                **scorer_options(opts),
                 **row_fields(batch),
             )
             for name, values in scored.extras.items():  # other keys of compute_score dicts
