@@ -8,7 +8,9 @@ Fenced blocks by language:
   directory). Runs are shrunk: ``iterations=N`` becomes ``iterations=2``, ``hybridflow run`` gets
   small batch overrides, ``hybridflow eval`` scores 4 prompts at k = 2 and
   ``python examples/*.py`` gets ``--iterations 2``. A few commands are
-  exempt below, each with the reason and where it is exercised instead.
+  exempt below, each with the reason and where it is exercised instead: a run another test
+  already makes is not made twice, and ``test_exempt_commands_are_run_elsewhere`` checks that
+  the test it names still makes it.
 - ``python``: run as a script in the same directory (``iterations=N`` shrunk the same way).
 - ``yaml``: a graph or pool file (``...`` items dropped) must validate against the JSON schema.
 - ``text`` (or no language): output shown to the reader; not run.
@@ -47,6 +49,29 @@ EXEMPT = {
     r"--address auto\b": "needs a running Ray cluster; `ray.init(address=...)` is Ray's own code path",
     r"^tensorboard\b": "starts a web server; the event files it reads are checked in tests/test_loggers.py",
     r"grpo_smollm2\.yaml|runs/smollm2\b": "tests/test_smollm2.py runs the SmolLM2 run, both evals and the plot, shrunk",
+    # Runs another test already makes (`test_exempt_commands_are_run_elsewhere` checks it still does).
+    r"^hybridflow run graphs/(ppo|rloo|safe_rlhf)\.yaml --run-dir runs/\w+$": (
+        "tests/test_algorithms_learn.py runs each graph's full default run"
+    ),
+    r"--run-dir runs/ckpt\b": (
+        "tests/test_resume_layouts.py runs save, resume and the dp 2 -> 1 resume through the CLI"
+    ),
+    r"^hybridflow run graphs/grpo\.yaml models\.actor\.rollout\.engine=vllm$": (
+        "tests/test_vllm.py runs grpo.yaml with exactly this override"
+    ),
+    r"^hybridflow run graphs/grpo_megatron\.yaml$": "tests/test_megatron_grpo.py runs grpo_megatron.yaml",
+    r"^hybridflow run graphs/grpo\.yaml --pools resource_pools/local_cpu\.yaml$": (
+        "grpo.yaml's own pool file: the same run as the first command's"
+    ),
+}
+# Where an exempt run is exercised instead, and what that file must hold for it to be so.
+COVERED_BY = {
+    "tests/test_algorithms_learn.py": ['["grpo", "ppo", "remax", "rloo", "safe_rlhf"]', "run_default("],
+    "tests/test_resume_layouts.py": ['"resource_pools/one_cpu.yaml"', '"--resume"', 'main(["run", "graphs/grpo.yaml"'],
+    "tests/test_vllm.py": ['"models.actor.rollout.engine=vllm"', "GRPO = "],
+    "tests/test_megatron_grpo.py": ['"grpo_megatron.yaml"', ".fit()"],
+    "tests/test_loggers.py": ["def test_tensorboard_writes_scalars"],
+    "tests/test_smollm2.py": ['main(["eval", GRAPH', 'main(["plot"'],
 }
 SMALL_RUN = [
     "trainer.iterations=2", "trainer.val_interval=2", "data.prompts_per_iteration=4",
@@ -141,6 +166,21 @@ def test_yaml_blocks_validate():
             assert not errors, f"{path.name}: {[e.message for e in errors]}\n{body}"
             checked += 1
     assert checked >= 1
+
+
+def test_exempt_commands_are_run_elsewhere():
+    """Every exemption matches a documented command, and the test it names runs that command."""
+    documented = [
+        c for path in DOC_FILES for lang, body in fenced_blocks(path) if lang in ("bash", "sh", "shell")
+        for c in commands(body)
+    ]
+    for pattern, why in EXEMPT.items():
+        assert any(re.search(pattern, c) for c in documented), f"exemption {pattern!r} matches no command"
+        for name in re.findall(r"tests/\w+\.py", why):
+            text = (ROOT / name).read_text()
+            missing = [needle for needle in COVERED_BY[name] if needle not in text]
+            assert not missing, f"{name} no longer runs what {pattern!r} exempts: {missing}"
+    assert yaml.safe_load((ROOT / "graphs" / "grpo.yaml").read_text())["resources"] == "resource_pools/local_cpu.yaml"
 
 
 def test_doc_commands_are_parsed():
