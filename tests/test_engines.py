@@ -276,6 +276,27 @@ def test_state_dict_round_trip_and_save_hf(tmp_path):
     assert all(torch.equal(named[k], v) for k, v in loaded.named_parameters())
 
 
+def test_a_resume_takes_the_graphs_learning_rate_and_keeps_the_step_count(tmp_path):
+    """`models.actor.train.optim.lr` changed on resume: the loaded engine steps at the new lr,
+    with the warm-up position (the checkpoint's step count) carried over."""
+    batch = _rollout_batch()
+    old = TrainEngineSpec(micro_batch_size=4, optim=OptimSpec(lr=1e-3, warmup_steps=4))
+    engine = TorchTrainEngine(_model(seed=2), old)
+    engine.train_step(batch, _nll_loss)
+    state = engine.state_dict()
+    new = TrainEngineSpec(micro_batch_size=4, optim=OptimSpec(lr=1e-2, warmup_steps=4))
+    resumed = TorchTrainEngine(_model(seed=7), new)
+    resumed.load_state_dict(state)
+    # one step done: the next is warm-up step 2 of 4, at the new lr
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == [1e-2 * 2 / 4]
+    resumed.train_step(batch, _nll_loss)
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == [1e-2 * 3 / 4]
+    # the same lr on resume changes nothing: the lr the checkpointed engine would step at next
+    same = TorchTrainEngine(_model(seed=7), old)
+    same.load_state_dict(engine.state_dict())
+    assert [g["lr"] for g in same.optimizer.param_groups] == [g["lr"] for g in engine.optimizer.param_groups]
+
+
 def test_value_engine_forward_and_step():
     batch = _rollout_batch()
     critic = build_value_model(TINY, VOCAB, PAD, EOS, seed=0)

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+import logging
 import time
 from pathlib import Path
 
@@ -19,6 +21,59 @@ import yaml
 
 from hybridflow.controller.checkpoint import complete_checkpoints, latest_checkpoint
 from hybridflow.spec.loading import SpecError
+
+log = logging.getLogger(__name__)
+
+# What a resume may change: the run's length and bookkeeping, the learning rate and its schedule,
+# and (checkpoints being layout-free) the pools, placement and layouts. Anything else (another
+# algorithm, model, data source or seed) the checkpoint cannot honour.
+HONOURED_ON_RESUME = (
+    "trainer.iterations", "trainer.*_interval", "trainer.keep_last", "trainer.loggers",
+    "trainer.progress", "trainer.max_restarts", "trainer.nan_tolerance",
+    "models.*.train.optim.lr", "models.*.train.optim.schedule", "models.*.train.optim.warmup_steps",
+    "models.*.train.optim.min_lr_ratio",
+    "resources", "placement.*", "resolved_layouts.*", "models.*.train.layout.*", "models.*.rollout.layout.*",
+)
+
+
+def _items(value) -> dict | None:
+    """A mapping's items; a list of named mappings (nodes) by name; None for a leaf."""
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, list) and value and all(isinstance(v, dict) and "name" in v for v in value):
+        return {v["name"]: v for v in value}
+    return None
+
+
+def _diff(old, new, field: str) -> list[tuple[str, object, object]]:
+    """``(field, old, new)`` where two resolved graphs differ; a part only one side has (a model,
+    a node) is one difference, not one per leaf."""
+    a, b = _items(old), _items(new)
+    if a is None or b is None:
+        return [] if old == new else [(field, old, new)]
+    out = []
+    for key in [*a, *(k for k in b if k not in a)]:
+        sub = f"{field}.{key}" if field else str(key)
+        if key not in a or key not in b:
+            out.append((sub, a.get(key, "(none)"), b.get(key, "(none)")))
+        else:
+            out.extend(_diff(a[key], b[key], sub))
+    return out
+
+
+def resume_changes(before: dict, after: dict) -> tuple[list[str], list[str]]:
+    """The fields that differ between two resolved graphs, as ``"field: old -> new"``, the
+    shallowest first: those a resume honours, and those it cannot."""
+    honoured, refused = [], []
+    for field, old, new in sorted(_diff(before, after, ""), key=lambda d: (d[0].count("."), d[0])):
+        ok = any(fnmatch.fnmatchcase(field, pattern) for pattern in HONOURED_ON_RESUME)
+        (honoured if ok else refused).append(f"{field}: {_short(old)} -> {_short(new)}")
+    return honoured, refused
+
+
+def _short(value: object, limit: int = 40) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class RunDir:
@@ -52,12 +107,36 @@ class RunDir:
             )
         self.path.mkdir(parents=True, exist_ok=True)
 
-    def write_resolved_config(self, graph) -> None:
-        """``graph.yaml``: the spec as run, with the placement and layouts it resolved to."""
+    @staticmethod
+    def resolved_config(graph) -> dict:
+        """The spec as run, with the placement and layouts it resolved to."""
         resolved = graph.spec.model_dump(mode="json")
         resolved["placement"] = dict(graph.placement)
         resolved["resolved_layouts"] = {m: layout.model_dump() for m, layout in graph.layouts.items()}
-        (self.path / "graph.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        return resolved
+
+    def check_resume(self, graph) -> None:
+        """Before a resume from a checkpoint writes anything: refuse, in one line naming the
+        fields, a graph that changed where the checkpoint cannot follow; log what it honours."""
+        if latest_checkpoint(self.path) is None or not self.config.exists():
+            return  # nothing to resume from: the run starts over
+        honoured, refused = resume_changes(yaml.safe_load(self.config.read_text()), self.resolved_config(graph))
+        if refused:
+            raise SpecError(
+                self.config, "", f"--resume: the graph differs from the checkpointed run's in what a "
+                f"resume cannot honour ({'; '.join(refused[:4])}{'; ...' if len(refused) > 4 else ''}); "
+                "start it in another --run-dir"
+            )
+        for change in honoured:
+            log.warning("resuming with a changed graph: %s", change)
+
+    def write_resolved_config(self, graph) -> None:
+        """``graph.yaml``: the spec as run, with the placement and layouts it resolved to."""
+        self.config.write_text(yaml.safe_dump(self.resolved_config(graph), sort_keys=False))
+
+    @property
+    def config(self) -> Path:
+        return self.path / "graph.yaml"
 
     @property
     def metrics(self) -> Path:

@@ -195,6 +195,8 @@ class Trainer:
         except DataError as exc:
             raise SpecError(self.graph.file, exc.field, str(exc)) from None
         self.dirs.claim(self.resume)
+        if self.resume:
+            self.dirs.check_resume(self.graph)
         self.dirs.write_resolved_config(self.graph)
         tokenizer.save_pretrained(self.dirs.tokenizer)
         self.checkpointer.components.update(dataset=self.dataset, guard=self.nan_guard)

@@ -131,9 +131,9 @@ class TorchTrainEngine(TrainEngine):
             betas=optim.betas,
             weight_decay=optim.weight_decay,
         )
-        total = total_steps or 0
+        self.total_steps = total_steps or 0
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, optim, total)
+            self.optimizer, lambda step: lr_factor(step, optim, self.total_steps)
         )
 
     @classmethod
@@ -355,3 +355,10 @@ class TorchTrainEngine(TrainEngine):
             optim_state_dict=state["optim"], options=_DCP_OPTIONS,
         )
         self.scheduler.load_state_dict(state["schedule"])
+        # The graph's optimizer spec, not the checkpoint's, sets the learning rate from here on:
+        # a resume may change `train.optim.lr` and its schedule (the step count carries over).
+        lr = self.spec.optim.lr
+        factor = lr_factor(self.scheduler.last_epoch, self.spec.optim, self.total_steps)
+        self.scheduler.base_lrs = [lr] * len(self.optimizer.param_groups)
+        for group in self.optimizer.param_groups:
+            group["initial_lr"], group["lr"] = lr, lr * factor

@@ -1,0 +1,104 @@
+"""A resume checks the graph against the checkpointed run's (``controller/run_dir.py``): what it
+can honour is applied and logged, anything else is refused in one line before a file is written."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridflow.cli.main import main
+from hybridflow.controller.checkpoint import latest_checkpoint
+from hybridflow.controller.run_dir import RunDir, resume_changes
+from hybridflow.graph.dag import load_graph
+from hybridflow.spec.loading import SpecError
+
+ROOT = Path(__file__).resolve().parent.parent
+GRPO = ROOT / "graphs" / "grpo.yaml"
+
+
+def resolved(path: Path = GRPO, overrides: tuple[str, ...] = (), pools: str | None = None) -> dict:
+    return RunDir.resolved_config(load_graph(path, list(overrides), pools_file=pools))
+
+
+def test_the_same_graph_changes_nothing():
+    assert resume_changes(resolved(), resolved()) == ([], [])
+
+
+def test_length_bookkeeping_lr_and_layouts_are_honoured():
+    honoured, refused = resume_changes(
+        resolved(),
+        resolved(overrides=("trainer.iterations=6", "trainer.save_interval=3", "trainer.keep_last=1",
+                            "models.actor.train.optim.lr=0.01", "models.actor.train.optim.warmup_steps=2",
+                            "trainer.loggers=[console,tensorboard]")),
+    )
+    assert refused == []
+    assert "models.actor.train.optim.lr: 0.001 -> 0.01" in honoured
+    assert "trainer.iterations: 400 -> 6" in honoured
+    assert len(honoured) == 6, honoured
+
+
+def test_another_pool_file_is_honoured():
+    honoured, refused = resume_changes(resolved(), resolved(pools=str(ROOT / "resource_pools" / "one_cpu.yaml")))
+    assert refused == [] and any(c.startswith("resolved_layouts.actor.dp: 2 -> 1") for c in honoured), honoured
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (("models.actor.source.config.hidden_size=128",), "models.actor.source.config.hidden_size: 64 -> 128"),
+        (("data.num_train=1000",), "data.num_train: "),
+        (("trainer.seed=3",), "trainer.seed: 0 -> 3"),
+        (("nodes.update_actor.options.kl_coef=0.5",), "nodes.update_actor.options.kl_coef: "),
+    ],
+)
+def test_what_a_checkpoint_cannot_follow_is_refused(change, field):
+    _, refused = resume_changes(resolved(), resolved(overrides=change))
+    assert refused and refused[0].startswith(field), refused
+
+
+def test_another_algorithm_is_refused():
+    _, refused = resume_changes(resolved(), resolved(ROOT / "graphs" / "ppo.yaml"))
+    assert refused[0] == "name: grpo -> ppo"
+    assert any(r.startswith("models.critic: (none) -> {") for r in refused), refused
+
+
+def _checkpointed_run(tmp_path: Path) -> RunDir:
+    """A run directory as a finished 2-iteration run leaves it: graph.yaml and a checkpoint."""
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.write_resolved_config(load_graph(GRPO, ["trainer.iterations=2"]))
+    ckpt = run.path / "checkpoints" / "iter_00000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text('{"iteration": 2}')
+    return run
+
+
+def test_check_resume_refuses_in_one_line_and_leaves_graph_yaml(tmp_path, caplog):
+    run = _checkpointed_run(tmp_path)
+    assert latest_checkpoint(run.path) is not None
+    before = run.config.read_text()
+    with pytest.raises(SpecError) as info:
+        run.check_resume(load_graph(ROOT / "graphs" / "ppo.yaml", ["trainer.iterations=4"]))
+    message = str(info.value)
+    assert "\n" not in message and "--resume" in message and "name: grpo -> ppo" in message
+    assert len(message) < 600, message
+    assert run.config.read_text() == before
+    with caplog.at_level(logging.WARNING):
+        run.check_resume(load_graph(GRPO, ["trainer.iterations=4", "models.actor.train.optim.lr=0.01"]))
+    assert [r.getMessage() for r in caplog.records] == [
+        "resuming with a changed graph: trainer.iterations: 2 -> 4",
+        "resuming with a changed graph: models.actor.train.optim.lr: 0.001 -> 0.01",
+    ]
+
+
+def test_cli_resume_with_another_algorithm_exits_2_before_ray(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    run = _checkpointed_run(tmp_path)
+    before = run.config.read_text()
+    assert main(["run", "graphs/ppo.yaml", "--run-dir", str(run.path), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "graph.yaml" in err and "name: grpo -> ppo" in err, err
+    assert run.config.read_text() == before
