@@ -87,7 +87,7 @@ def test_kill_during_checkpoint_save_leaves_previous_loadable(tmp_path):
     written: the newest complete checkpoint loads, and `--resume` finishes the run from it."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "hybridflow.cli.main", "run", str(GRPO), *SMALL,
-           "trainer.iterations=40", "trainer.save_interval=1", "--run-dir", str(run_dir)]
+           "trainer.iterations=40", "trainer.save_interval=1", "trainer.keep_last=3", "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
     root = run_dir / "checkpoints"
@@ -96,8 +96,8 @@ def test_kill_during_checkpoint_save_leaves_previous_loadable(tmp_path):
     try:
         while time.monotonic() < deadline and proc.poll() is None:
             temps = list(root.glob(".tmp-*")) if root.is_dir() else []
-            # Only once a complete checkpoint exists: the point is that it survives.
-            if temps and complete_checkpoints(run_dir) and any(temps[0].glob("pool_default/rank_*")):
+            # Only once two complete checkpoints exist: the point is that they survive.
+            if temps and len(complete_checkpoints(run_dir)) >= 2 and any(temps[0].glob("pool_default/rank_*")):
                 # Freeze everything first, then check the save is still half-written: on a busy
                 # box it can finish between the glob and the kill. If it did, thaw and wait for
                 # the next save (save_interval=1).
@@ -128,12 +128,19 @@ def test_kill_during_checkpoint_save_leaves_previous_loadable(tmp_path):
     for rank in (0, 1):
         assert "torch_rng" in torch.load(previous / "pool_default" / f"rank_{rank:05d}.pt", weights_only=False)
 
+    # The newest complete checkpoint damaged as well (a truncated file): the resume falls back
+    # to the one before it, with a warning naming the one it skipped.
     done = meta["iteration"]
+    older = complete_checkpoints(run_dir)[:-1]
+    damaged = previous / "controller.pt"
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
     resumed = subprocess.run(
         [*cmd[:-2], "trainer.iterations=" + str(done + 1), "--run-dir", str(run_dir), "--resume"],
         cwd=ROOT, capture_output=True, text=True, timeout=400,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"skipping damaged checkpoint {previous}: controller.pt has" in resumed.stderr
+    assert f"from {older[-1]} (iteration {done - 1})" in resumed.stderr, resumed.stderr[-3000:]
     assert [r["iteration"] for r in metric_rows(run_dir)] == list(range(1, done + 2))
     assert not list(root.glob(".tmp-*"))  # the next save swept it
 
@@ -176,3 +183,34 @@ def test_exported_actor_reloads_with_logits_equal_to_the_train_engine(tmp_path):
     log_probs = engine.forward(batch)["log_probs"]
     from_hf = torch.log_softmax(got[:, prompt_len - 1 : -1].float(), -1).gather(-1, ids[:, prompt_len:, None])[..., 0]
     assert (log_probs - from_hf).abs().max().item() <= 1e-5
+
+
+def test_damaged_checkpoints_are_skipped_newest_first(tmp_path, caplog):
+    """Sizes and CRC-32s in meta.json: a truncated, a flipped or a missing file makes a
+    checkpoint damaged; the newest intact one is what a resume or a recovery loads."""
+    import logging
+
+    from hybridflow.controller.checkpoint import META, checkpoint_dir, file_digests, latest_intact_checkpoint
+
+    def fake(iteration: int) -> Path:
+        path = checkpoint_dir(tmp_path, iteration)
+        (path / "models" / "actor").mkdir(parents=True)
+        (path / "controller.pt").write_bytes(bytes(range(200)))
+        (path / "models" / "actor" / "data.distcp").write_bytes(b"w" * 1000)
+        (path / META).write_text(json.dumps({"iteration": iteration, "files": file_digests(path)}))
+        return path
+
+    first, second, third, fourth = (fake(i) for i in (1, 2, 3, 4))
+    assert latest_intact_checkpoint(tmp_path) == fourth
+    (fourth / "models" / "actor" / "data.distcp").write_bytes(b"w" * 999 + b"x")  # same size
+    (third / "controller.pt").write_bytes(bytes(range(100)))  # truncated
+    (second / "models" / "actor" / "data.distcp").unlink()
+    with caplog.at_level(logging.WARNING):
+        assert latest_intact_checkpoint(tmp_path) == first
+    assert [r.getMessage() for r in caplog.records] == [
+        f"skipping damaged checkpoint {fourth}: models/actor/data.distcp does not match its checksum",
+        f"skipping damaged checkpoint {third}: controller.pt has 100 bytes, 200 were written",
+        f"skipping damaged checkpoint {second}: models/actor/data.distcp is missing",
+    ]
+    (first / META).write_text("{not json")
+    assert latest_intact_checkpoint(tmp_path) is None

@@ -77,3 +77,26 @@ def test_tensorboard_writes_scalars(tmp_path):
     rewards = [(e.step, e.value) for e in events.Scalars("reward/mean")]
     assert rewards == [(1, 0.25), (2, 0.5), (3, 0.75)]
     assert "iteration" not in events.Tags()["scalars"]
+
+
+def test_rewind_cuts_samples_and_hides_tensorboard_steps_after_the_checkpoint(tmp_path):
+    """A resume or a recovery goes back to iteration 2 after 4 were logged: iterations 3-4 are
+    logged again, and each file then holds every iteration once."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = TrainerSpec(loggers=["tensorboard"], sample_interval=1, num_logged_samples=1, iterations=5)
+    metas = {"reward": [{"samples": [{"prompt": "ab=", "response": "ab", "reward": 1.0}]}]}
+    loggers = RunLoggers(trainer, tmp_path, "g.yaml")
+    for i in range(1, 5):
+        loggers.log(_record(i), metas)
+    loggers.rewind(2)
+    for i in range(3, 6):
+        loggers.log({**_record(i), "reward/mean": 1.0 + i}, metas)
+    loggers.close()
+    samples = [json.loads(line)["iteration"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert samples == [1, 2, 3, 4, 5]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    rewards = [(e.step, e.value) for e in events.Scalars("reward/mean")]
+    assert rewards == [(1, 0.25), (2, 0.5), (3, 4.0), (4, 5.0), (5, 6.0)]

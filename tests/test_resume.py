@@ -22,7 +22,7 @@ GRPO = ROOT / "graphs" / "grpo.yaml"
 SMALL = [
     "trainer.iterations=6", "trainer.val_interval=3", "trainer.progress=false",
     "trainer.save_interval=3", "trainer.save_final=false", "data.prompts_per_iteration=4",
-    "data.num_val=4", "models.actor.rollout.n=4",
+    "data.num_val=4", "models.actor.rollout.n=4", "trainer.sample_interval=1", "trainer.trace_interval=1",
 ]
 
 pytestmark = pytest.mark.slow
@@ -30,6 +30,10 @@ pytestmark = pytest.mark.slow
 
 def metric_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def sample_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
 
 
 def non_timing(row: dict) -> dict:
@@ -43,7 +47,7 @@ def uninterrupted(ray_session, tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("full")
     Trainer(load_graph(GRPO, SMALL), run_dir=str(run_dir)).fit()
-    return metric_rows(run_dir)
+    return run_dir
 
 
 def test_stop_at_3_and_resume_equals_uninterrupted(uninterrupted, tmp_path):
@@ -57,7 +61,7 @@ def test_stop_at_3_and_resume_equals_uninterrupted(uninterrupted, tmp_path):
     summary = Trainer(graph, run_dir=str(tmp_path / "split"), resume=True).fit()
     assert summary["iterations"] == 6
 
-    full, split = uninterrupted, metric_rows(tmp_path / "split")
+    full, split = metric_rows(uninterrupted), metric_rows(tmp_path / "split")
     assert [r["iteration"] for r in split] == [1, 2, 3, 4, 5, 6]
     assert "val/reward/mean" in split[2] and "val/reward/mean" in split[5]
     assert len(full) == len(split)
@@ -70,7 +74,9 @@ def test_stop_at_3_and_resume_equals_uninterrupted(uninterrupted, tmp_path):
 
 def test_worker_sigkill_mid_run_recovers_with_equal_metrics(uninterrupted, tmp_path):
     """SIGKILL of a worker process during iteration 4 (checkpoint at 2): the run restarts the
-    workers, goes back to iteration 2, and its metrics equal the uninterrupted run's."""
+    workers, goes back to iteration 2, and its metrics equal the uninterrupted run's; so do its
+    samples, and its traces are one per iteration (the rows after the checkpoint are cut, not
+    logged twice)."""
     from hybridflow.controller.trainer import Trainer
 
     graph = load_graph(GRPO, [*SMALL, "trainer.save_interval=2", "trainer.max_restarts=1"])
@@ -96,8 +102,13 @@ def test_worker_sigkill_mid_run_recovers_with_equal_metrics(uninterrupted, tmp_p
     assert events[0]["resume_from"].endswith(("iter_00000002", "iter_00000004"))
     rows = metric_rows(tmp_path / "killed")
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    for a, b in zip(uninterrupted, rows):
+    for a, b in zip(metric_rows(uninterrupted), rows):
         assert non_timing(a) == non_timing(b), a["iteration"]
+    samples = sample_rows(tmp_path / "killed")
+    assert sorted({r["iteration"] for r in samples}) == [1, 2, 3, 4, 5, 6]
+    assert samples == sample_rows(uninterrupted)
+    traces = sorted(p.name for p in (tmp_path / "killed" / "trace").iterdir())
+    assert traces == [f"iteration_{i:05d}.json" for i in range(1, 7)]
 
 
 def test_repeated_worker_loss_stops_after_max_restarts(ray_session, tmp_path):

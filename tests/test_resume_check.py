@@ -102,3 +102,12 @@ def test_cli_resume_with_another_algorithm_exits_2_before_ray(tmp_path, capsys, 
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "graph.yaml" in err and "name: grpo -> ppo" in err, err
     assert run.config.read_text() == before
+
+
+def test_traces_after_the_checkpoint_are_dropped(tmp_path):
+    run = RunDir(tmp_path)
+    for i in (1, 2, 3, 12):
+        run.trace(i).parent.mkdir(exist_ok=True)
+        run.trace(i).write_text("{}")
+    run.drop_traces_after(2)
+    assert sorted(p.name for p in (tmp_path / "trace").iterdir()) == ["iteration_00001.json", "iteration_00002.json"]

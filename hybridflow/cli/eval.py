@@ -64,7 +64,7 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
 def _actor_weights(actor: str, model: str) -> tuple[Path | None, Path | None]:
     """``(HF directory, None)`` of a saved actor, or ``(None, checkpoint directory)`` of a run
     checkpoint that holds ``model``'s trained weights."""
-    from hybridflow.controller.checkpoint import META, latest_checkpoint
+    from hybridflow.controller.checkpoint import META, latest_intact_checkpoint
     from hybridflow.spec.loading import SpecError
     from hybridflow.workers.checkpointing import MODELS
 
@@ -73,7 +73,7 @@ def _actor_weights(actor: str, model: str) -> tuple[Path | None, Path | None]:
         path = path / "actor"
     if (path / "config.json").is_file():
         return path, None
-    checkpoint = latest_checkpoint(path) if (path / "checkpoints").is_dir() else path
+    checkpoint = latest_intact_checkpoint(path) if (path / "checkpoints").is_dir() else path
     if checkpoint is None or not (checkpoint / META).is_file():
         raise SpecError(actor, "--actor", "expected a saved actor (HF directory with config.json), a run "
                         "directory or a checkpoint directory")

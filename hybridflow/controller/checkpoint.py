@@ -2,8 +2,10 @@
 
 Layout of ``RUN_DIR/checkpoints/iter_00000006/``::
 
-    meta.json                  format, iteration, time, each pool's ranks, each model's layout
-                               and each trained model's engine (written last: presence = complete)
+    meta.json                  format, iteration, time, each pool's ranks, each model's layout,
+                               each trained model's engine, and every other file's size and
+                               CRC-32 (written last: presence = complete; a resume or recovery
+                               skips a checkpoint whose files do not match, with a warning)
     controller.pt              data position, controller RNG states, iteration counter, metrics
                                offset (bytes of metrics.jsonl), NaN-guard counters, and the
                                state of objects registered in ``Trainer.extra_state``
@@ -33,6 +35,7 @@ import random
 import re
 import shutil
 import time
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +60,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "Checkpointer", "ControllerRng", "RunStopped", "checkpoint_dir", "complete_checkpoints",
-    "latest_checkpoint", "load_controller_state", "truncate_metrics", "write_checkpoint",
+    "latest_checkpoint", "latest_intact_checkpoint", "load_controller_state", "truncate_metrics",
+    "write_checkpoint",
 ]
 
 
@@ -77,6 +81,52 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = complete_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def file_digests(checkpoint: Path) -> dict[str, list[int]]:
+    """``{relative path: [bytes, crc32]}`` of every file of a checkpoint but meta.json."""
+    return {
+        str(f.relative_to(checkpoint)): [f.stat().st_size, _crc32(f)]
+        for f in sorted(checkpoint.rglob("*")) if f.is_file() and f.name != META
+    }
+
+
+def damage(checkpoint: Path) -> str | None:
+    """What is wrong with a complete checkpoint's files (None: intact, or too old to tell)."""
+    expected = json.loads((checkpoint / META).read_text()).get("files")
+    if expected is None:
+        return None
+    found = file_digests(checkpoint)
+    for name, (size, crc) in expected.items():
+        if name not in found:
+            return f"{name} is missing"
+        if found[name][0] != size:
+            return f"{name} has {found[name][0]} bytes, {size} were written"
+        if found[name][1] != crc:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def latest_intact_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint whose files match meta.json's sizes and checksums; each
+    newer damaged one is skipped with a warning line naming it."""
+    for checkpoint in reversed(complete_checkpoints(run_dir)):
+        try:
+            problem = damage(checkpoint)
+        except (OSError, ValueError) as exc:  # unreadable meta.json or file
+            problem = f"unreadable ({exc.__class__.__name__}: {exc})"
+        if problem is None:
+            return checkpoint
+        log.warning("skipping damaged checkpoint %s: %s", checkpoint, problem)
+    return None
 
 
 def _fsync_tree(path: Path) -> None:
@@ -120,7 +170,9 @@ def write_checkpoint(
             refs += group.call("save_checkpoint", path=str(tmp), pool=name)
         ray.get(refs)
         torch.save(controller_state, tmp / CONTROLLER)
-        (tmp / META).write_text(json.dumps({"format": FORMAT, "iteration": iteration, "time": time.time(), **meta}))
+        _fsync_tree(tmp)
+        record = {"format": FORMAT, "iteration": iteration, "time": time.time(), **meta, "files": file_digests(tmp)}
+        (tmp / META).write_text(json.dumps(record))
         _fsync_tree(tmp)
         if final.exists():  # the same iteration saved again after a recovery
             shutil.rmtree(final)
@@ -183,6 +235,10 @@ class Checkpointer:
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.run_dir.path)
+
+    def latest_intact(self) -> Path | None:
+        """What a resume or a recovery goes back to: the newest checkpoint that is not damaged."""
+        return latest_intact_checkpoint(self.run_dir.path)
 
     def mark_start(self) -> None:
         """Remember the state before the first iteration: what a restore without a checkpoint

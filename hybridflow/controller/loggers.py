@@ -62,7 +62,14 @@ class TensorBoardLogger:
             raise SpecError(
                 file, "trainer.loggers", "'tensorboard' needs the tensorboard package: pip install tensorboard"
             ) from None
+        self.log_dir, self._writer_cls = log_dir, SummaryWriter
         self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def rewind(self, iteration: int) -> None:
+        """Hide the events of the iterations after ``iteration`` (TensorBoard's purge_step):
+        they are logged again after a resume or a recovery."""
+        self.writer.close()
+        self.writer = self._writer_cls(log_dir=str(self.log_dir), purge_step=iteration + 1)
 
     def log(self, record: dict) -> None:
         step = int(record.get("iteration", 0))
@@ -98,6 +105,17 @@ class SampleWriter:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
         return len(rows)
 
+    def rewind(self, iteration: int) -> None:
+        """Drop the rows of the iterations after ``iteration``: they are written again."""
+        if not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and json.loads(line)["iteration"] <= iteration]
+        if len(kept) != len(lines):
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(self.path)
+
 
 def samples_from_metas(metas_by_node: dict[str, Iterable[dict]]) -> dict[str, list[dict]]:
     """The ``samples`` lists workers put in their meta, concatenated over ranks, per node."""
@@ -129,6 +147,14 @@ class RunLoggers:
             logger.log(record)
         if metas_by_node is not None:
             self.samples.write(int(record["iteration"]), samples_from_metas(metas_by_node))
+
+    def rewind(self, iteration: int) -> None:
+        """Back to the end of ``iteration`` (a checkpoint's): every per-iteration file but
+        metrics.jsonl, which the checkpointer cuts itself, and events.jsonl, the audit log."""
+        self.samples.rewind(iteration)
+        for logger in self.loggers:
+            if hasattr(logger, "rewind"):
+                logger.rewind(iteration)
 
     def close(self) -> None:
         for logger in self.loggers:

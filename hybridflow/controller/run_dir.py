@@ -153,6 +153,12 @@ class RunDir:
     def trace(self, iteration: int) -> Path:
         return self.path / "trace" / f"iteration_{iteration:05d}.json"
 
+    def drop_traces_after(self, iteration: int) -> None:
+        """Remove the traces of iterations after ``iteration``: they are traced again."""
+        for trace in (self.path / "trace").glob("iteration_*.json"):
+            if int(trace.stem.split("_")[1]) > iteration:
+                trace.unlink()
+
     def metrics_offset(self) -> int:
         """Bytes of metrics.jsonl so far: where a restore cuts it back to."""
         return self.metrics.stat().st_size if self.metrics.exists() else 0

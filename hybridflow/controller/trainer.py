@@ -105,10 +105,10 @@ class Trainer:
             self._setup()  # inside: a group that fails to start must not leak its pool
             total = self.spec.trainer.iterations
             last = min(total, stop_after or total)
-            resume_from = self.checkpointer.latest() if self.resume else None
+            resume_from = self.checkpointer.latest_intact() if self.resume else None
             if self.resume and resume_from is None:
                 log.warning("--resume: %s has no complete checkpoint; starting from the beginning", self.run_dir)
-            done = self._restore(resume_from)
+            done = self._restore(resume_from, rewind=self.resume)
             bar = tqdm(total=total, initial=done, desc=self.spec.name,
                        disable=not self.spec.trainer.progress, dynamic_ncols=True)
             while done < last:
@@ -260,15 +260,19 @@ class Trainer:
         """Checkpoint the state after ``iteration`` (``Checkpointer.save``)."""
         return self.checkpointer.save(iteration, self.groups)
 
-    def _restore(self, path: Path | None) -> int:
-        """Go back to checkpoint ``path`` (None: the run's start); returns its iteration."""
+    def _restore(self, path: Path | None, rewind: bool = True) -> int:
+        """Go back to checkpoint ``path`` (None: the run's start) and cut every per-iteration
+        file back to it (``rewind``; a fresh run has nothing to cut); returns its iteration."""
         done, self.history = self.checkpointer.restore(path, self.groups)
+        if rewind:
+            self.logger.rewind(done)
+            self.dirs.drop_traces_after(done)
         return done
 
     def _recover(self, exc: BaseException) -> int:
         """Restart every worker group and go back to the newest checkpoint; returns its
         iteration. Gives up (RunStopped) after ``trainer.max_restarts`` recoveries."""
-        path = self.checkpointer.latest()
+        path = self.checkpointer.latest_intact()
         self.recovery.begin(exc, path)
         for group in self.groups.values():
             group.shutdown(graceful=False)
