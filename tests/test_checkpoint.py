@@ -87,7 +87,8 @@ def test_kill_during_checkpoint_save_leaves_previous_loadable(tmp_path):
     written: the newest complete checkpoint loads, and `--resume` finishes the run from it."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "hybridflow.cli.main", "run", str(GRPO), *SMALL,
-           "trainer.iterations=40", "trainer.save_interval=1", "trainer.keep_last=3", "--run-dir", str(run_dir)]
+           "trainer.iterations=40", "trainer.save_interval=1", "trainer.keep_last=3",
+           "trainer.sample_interval=1", "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
     root = run_dir / "checkpoints"
@@ -142,6 +143,10 @@ def test_kill_during_checkpoint_save_leaves_previous_loadable(tmp_path):
     assert f"skipping damaged checkpoint {previous}: controller.pt has" in resumed.stderr
     assert f"from {older[-1]} (iteration {done - 1})" in resumed.stderr, resumed.stderr[-3000:]
     assert [r["iteration"] for r in metric_rows(run_dir)] == list(range(1, done + 2))
+    # samples.jsonl was cut back with metrics.jsonl: every iteration's samples once
+    samples = [json.loads(line)["iteration"] for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    per_iteration = samples.count(1)
+    assert per_iteration and samples == [i for i in range(1, done + 2) for _ in range(per_iteration)]
     assert not list(root.glob(".tmp-*"))  # the next save swept it
 
 
@@ -214,3 +219,57 @@ def test_damaged_checkpoints_are_skipped_newest_first(tmp_path, caplog):
     ]
     (first / META).write_text("{not json")
     assert latest_intact_checkpoint(tmp_path) is None
+
+
+def test_storage_errors_are_found_wherever_they_are_wrapped():
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from hybridflow.controller.recovery import storage_error
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/runs/r/checkpoints/.tmp-iter_00000002/x")
+    assert storage_error(full).startswith("/runs/r/checkpoints/.tmp-iter_00000002/x: No space left on device (ENOSPC);")
+    try:
+        try:
+            raise full
+        except OSError as inner:
+            raise RuntimeError("save failed") from inner
+    except RuntimeError as chained:
+        assert "(ENOSPC)" in storage_error(chained)
+    ranks = CheckpointException("dcp", {0: (OSError(errno.EROFS, "Read-only file system", "/ro"), None)})
+    assert storage_error(ranks).startswith("/ro: Read-only file system (EROFS)")
+    assert "is the disk full?" in storage_error(RuntimeError("basic_ios::clear: iostream error"))
+    assert storage_error(OSError(errno.ENOENT, "No such file or directory", "/x")) is None
+    assert storage_error(ValueError("a bug")) is None
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_saving_is_one_line_and_keeps_the_previous_checkpoint(
+    ray_session, tmp_path, monkeypatch, capsys
+):
+    """The controller's write of the second checkpoint fails with ENOSPC (simulated): exit 1,
+    one line naming the file and the cause, the first checkpoint complete and intact."""
+    import errno
+
+    import hybridflow.controller.checkpoint as checkpoint
+    from hybridflow.cli.main import main
+    from hybridflow.controller.checkpoint import latest_intact_checkpoint
+
+    real_save, calls = torch.save, []
+
+    def save(obj, path, *args, **kwargs):
+        if str(path).endswith("controller.pt"):
+            calls.append(path)
+            if len(calls) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save)
+    run_dir = tmp_path / "run"
+    code = main(["run", str(GRPO), *SMALL, "trainer.iterations=3", "trainer.save_interval=1", "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1].startswith(f"stopped: {calls[1]}: No space left on device (ENOSPC);"), err[-3:]
+    assert latest_intact_checkpoint(run_dir).name == "iter_00000001"
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))

@@ -250,9 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except RuntimeError as exc:
-        from hybridflow.controller.recovery import RunStopped
+    except Exception as exc:  # a stopped run, or one whose disk failed it: one line; else a bug
+        from hybridflow.controller.recovery import RunStopped, storage_error
 
+        disk = storage_error(exc)
+        if disk is not None:
+            print(f"stopped: {disk}", file=sys.stderr)
+            return 1
         if not isinstance(exc, RunStopped):
             raise
         print(f"stopped: {exc}", file=sys.stderr)

@@ -7,12 +7,16 @@
   gradient norm and stops the run after ``trainer.nan_tolerance`` of them in a row.
 
 Both stop the run with :class:`RunStopped`, whose message says why and what to do.
+:func:`storage_error` turns a full, read-only or forbidden disk met anywhere (the controller, a
+worker, a torch.distributed.checkpoint rank) into that one line.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -24,6 +28,38 @@ log = logging.getLogger(__name__)
 class RunStopped(RuntimeError):
     """The run stopped on purpose (non-finite updates, a weight to not checkpoint, too many
     worker failures); the message says why and what to do."""
+
+
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)
+
+
+def _causes(exc: BaseException):
+    """``exc`` and everything it wraps: chained exceptions, a Ray task's cause, the per-rank
+    failures of a torch.distributed.checkpoint ``CheckpointException``."""
+    seen, stack = set(), [exc]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen or not isinstance(current, BaseException):
+            continue
+        seen.add(id(current))
+        yield current
+        stack += [current.__cause__, current.__context__, getattr(current, "cause", None)]
+        for failure in (getattr(current, "failures", None) or {}).values():
+            stack += list(failure) if isinstance(failure, tuple) else [failure]
+
+
+def storage_error(exc: BaseException) -> str | None:
+    """One line for a run stopped by its disk (full, read-only, not permitted), else None."""
+    for cause in _causes(exc):
+        if isinstance(cause, OSError) and cause.errno in STORAGE_ERRNOS:
+            where = cause.filename or "the run directory"
+            return (f"{where}: {os.strerror(cause.errno)} ({errno.errorcode[cause.errno]}); the run "
+                    "stopped, its checkpoints are as they were (a save is atomic)")
+    for cause in _causes(exc):  # torch.save's C++ writer does not say why it failed
+        if isinstance(cause, RuntimeError) and ("iostream error" in str(cause) or "failed writing" in str(cause)):
+            return ("writing a file failed (" + str(cause).splitlines()[0][:100] + "): is the disk full? the run "
+                    "stopped, its checkpoints are as they were (a save is atomic)")
+    return None
 
 
 class Recovery:
