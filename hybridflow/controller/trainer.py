@@ -42,6 +42,7 @@ from hybridflow.graph.batching import batch_plan
 from hybridflow.graph.dag import SOURCE, Graph
 from hybridflow.hybrid_engine.consistency import RolloutMismatchError
 from hybridflow.placement.pools import ResourcePool, start_ray
+from hybridflow.rewards.rule import RewardError
 from hybridflow.spec.graph import GenerateOptions
 from hybridflow.spec.loading import SpecError
 from hybridflow.workers.group import WorkerGroup
@@ -135,7 +136,7 @@ class Trainer:
         """One iteration, then the NaN guard's verdict, then the checkpoint if one is due."""
         try:
             metrics = self.step(iteration)
-        except RolloutMismatchError as exc:  # raised by the update's first forward, every rank
+        except (RolloutMismatchError, RewardError) as exc:  # a worker's one-line stop (Ray wraps it)
             raise RunStopped(f"stopping at iteration {iteration}: {getattr(exc, 'cause', exc)}") from None
         for callback in self.callbacks:
             callback(self, iteration, metrics)

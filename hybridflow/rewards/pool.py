@@ -10,7 +10,9 @@ thread.
 How a batch goes: the items are cut into a few chunks (one task per chunk, so a cheap rule
 costs one round trip per chunk, not per item), each chunk given ``timeout_s`` per item. A chunk
 that overruns, or whose process dies, is killed and its items are run again one per task with
-``timeout_s`` each, so the one slow item is found and only it times out.
+``timeout_s`` each, so the one slow item is found and only it times out (a chunk of one item
+is not run again). On a timeout pebble kills the process (SIGTERM, which here ends it at once,
+even in the middle of a C call) and starts a new one in its place.
 
 Outcomes are per item: ``("ok", value)``, ``("error", "TypeName: message")`` or
 ``("timeout", "")``. What an error does to the run is the caller's choice (``on_error``).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
+import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -48,6 +51,10 @@ def _call_chunk(path: str, items: Sequence[tuple]) -> list[Outcome]:
 
 
 def _preload(paths: Sequence[str]) -> None:
+    # pebble's own SIGTERM handler is Python code, which cannot run while a call is stuck in C
+    # (``sum(range(10**13))``): pebble would wait 3 s more before SIGKILL. The default action
+    # ends the process at once; a scorer holds nothing that needs a clean exit.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for path in paths:
         try:
             _function(path)
@@ -106,8 +113,11 @@ class ScorePool:
         for chunk, future in zip(chunks, futures):
             try:
                 outcomes.extend(future.result())
-            except Exception:  # overran (killed) or its process died: find the culprit(s)
-                outcomes.extend(self._one_by_one(path, chunk, timeout_s))
+            except Exception as exc:  # overran (killed) or its process died: find the culprit(s)
+                if len(chunk) == 1 and isinstance(exc, FutureTimeout):
+                    outcomes.append(("timeout", ""))  # that one item is the culprit
+                else:
+                    outcomes.extend(self._one_by_one(path, chunk, timeout_s))
         return outcomes
 
     def _one_by_one(self, path: str, items: Sequence[tuple], timeout_s: float | None) -> list[Outcome]:

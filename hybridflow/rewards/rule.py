@@ -6,8 +6,9 @@ float or a dict with ``score``.
 
 ``score_items`` is the robust caller the workers use (in a process pool or in-process): a call
 that raises, returns a non-finite or non-number value, or exceeds its time limit either stops
-the run (``RewardError``) or gives that sample the configured default reward and is counted, as
-the score node's ``options.on_error`` says.
+the run (``RewardError``, one line) or gives that sample the configured default reward and is
+counted, as the score node's ``options.on_error`` says. "Finite" means finite in the batch's
+float32: 1e308 is a finite float but inf once cast, so it is an error like NaN.
 """
 
 from __future__ import annotations
@@ -22,11 +23,22 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
+from hybridflow.data.echo import shorten
+
 RuleFn = Callable[[str, str, str], float]
 
 
+SCORE_DTYPE = torch.float32  # the dtype of a batch's scores; a value must be finite in it
+_SCORE_MAX = torch.finfo(SCORE_DTYPE).max
+
+
 class RewardError(RuntimeError):
-    """Scoring failed and the score node's ``on_error`` is ``fail``."""
+    """Scoring failed and the score node's ``on_error`` is ``fail``; the message is one line."""
+
+
+def is_finite_score(value: float) -> bool:
+    """Whether ``value`` is finite after the cast to the scores' dtype (float32)."""
+    return math.isfinite(value) and abs(value) <= _SCORE_MAX
 
 
 class RewardTimeout(Exception):
@@ -88,10 +100,13 @@ def call_with_timeout(fn: Callable[[], float], timeout_s: float | None) -> float
 
 def _as_score(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"returned {type(value).__name__}, expected a number")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"returned {value}, expected a finite number")
+        raise TypeError(f"returned {type(value).__name__} {shorten(repr(value), 40)}, expected a number")
+    try:
+        value = float(value)
+    except OverflowError:  # an int too large for a float
+        raise ValueError("returned an integer too large for a float") from None
+    if not is_finite_score(value):
+        raise ValueError(f"returned {value:g}, not finite in {str(SCORE_DTYPE).removeprefix('torch.')}")
     return value
 
 
@@ -103,7 +118,7 @@ def as_score(value: object) -> tuple[float, dict[str, float]]:
             raise TypeError(f"returned a dict without 'score' (keys {sorted(value)[:5]})")
         extras = {
             str(k): float(v) for k, v in value.items()
-            if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool) and is_finite_score(float(v))
         }
         return _as_score(value["score"]), extras
     return _as_score(value), {}
@@ -150,13 +165,14 @@ def score_items(
         if on_error == "fail":
             if status == "timeout":
                 raise RewardError(f"reward {name}: sample {i} took longer than timeout_s={timeout_s:g} s")
-            raise RewardError(f"reward {name}: sample {i}: {value}")
+            raise RewardError(f"reward {name}: sample {i}: {shorten(value)} (options.on_error: default "
+                              "gives such samples default_reward and counts them)")
         values.append(default_reward)
         extras.append({})
         num_errors += 1
     keys = sorted({k for more in extras for k in more})
     columns = {k: torch.tensor([more.get(k, 0.0) for more in extras], dtype=torch.float32) for k in keys}
-    return torch.tensor(values, dtype=torch.float32), num_errors, columns
+    return torch.tensor(values, dtype=SCORE_DTYPE), num_errors, columns
 
 
 def score_texts_guarded(

@@ -237,6 +237,9 @@ class ValuesNode(NodeBase):
     options: NoOptions = Field(default_factory=NoOptions)
 
 
+DEFAULT_SCORE_TIMEOUT_S = 30.0  # a rule call slower than this is taken to hang
+
+
 class ScoreOptions(Spec):
     """What a response that did not end scores, and what a rule or remote reward that raises,
     hangs or answers garbage does to the run."""
@@ -260,7 +263,9 @@ class ScoreOptions(Spec):
     )
     default_reward: float = Field(0.0, description="Score of a sample whose scoring failed.")
     timeout_s: float | None = Field(
-        None, gt=0, description="Time limit of one rule call (per sample); null = none."
+        DEFAULT_SCORE_TIMEOUT_S, gt=0, description="Time limit of one rule/compute_score call (per "
+        "sample), in seconds: past it the call's process is killed and replaced, and the sample is "
+        "an error (on_error). null = no limit (a hanging rule then hangs the run).",
     )
     num_workers: int = Field(
         1,

@@ -1,0 +1,119 @@
+"""Rewards cannot hang or derail a run (issue 24, defects 6-8): a rule stuck in C code is killed
+within its timeout, a rule that raises or returns a non-number or a value that is not finite in
+float32 (1e308) is an error, handled by ``on_error`` or stopping the run with one short line."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridflow.rewards.pool import ScorePool
+from hybridflow.data.echo import shorten
+from hybridflow.rewards.rule import RewardError, score_items
+from hybridflow.spec.graph import DEFAULT_SCORE_TIMEOUT_S, ScoreOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = "tests.test_reward_reliability"
+
+
+# Rules the pool and the Ray workers import by name (module level).
+def stuck_in_c(prompt, response, truth):
+    return float(sum(range(10**13)))  # one C call: no signal handler runs until it returns
+
+
+def too_big_for_float32(prompt, response, truth):
+    return 1e308  # a finite float, inf in the batch's float32
+
+
+def raises_with_data(prompt, response, truth):
+    raise ValueError("cannot grade " + prompt * 1_000_000)
+
+
+def returns_text(prompt, response, truth):
+    return "high"
+
+
+def copy_or_stuck(prompt, response, truth):
+    return stuck_in_c(prompt, response, truth) if response == "x" else 1.0
+
+
+def test_score_options_have_a_default_timeout():
+    assert ScoreOptions().timeout_s == DEFAULT_SCORE_TIMEOUT_S == 30.0
+
+
+def test_a_call_stuck_in_c_is_stopped_within_timeout_plus_5s_and_its_process_replaced():
+    pool = ScorePool(1, preload=[f"{HERE}:copy_or_stuck"])
+    try:
+        pool.call(f"{HERE}:copy_or_stuck", [("p", "a", "")], 5.0)  # started, scorer imported
+        started = time.perf_counter()
+        outcomes = pool.call(f"{HERE}:copy_or_stuck", [("p", "x", "")], 2.0)
+        assert outcomes == [("timeout", "")]
+        assert time.perf_counter() - started < 2.0 + 5.0
+        # The killed process was replaced: the pool scores again.
+        assert pool.call(f"{HERE}:copy_or_stuck", [("p", "a", ""), ("p", "b", "")], 5.0) == [("ok", 1.0)] * 2
+    finally:
+        pool.close()
+
+
+def test_1e308_is_an_error_not_an_inf_reward():
+    items = [("p", "r", ""), ("p", "r", "")]
+    with pytest.raises(RewardError, match=r"sample 0: ValueError: returned 1e\+308, not finite in float32"):
+        score_items(too_big_for_float32, items, on_error="fail", name="big")
+    scores, num_errors, _ = score_items(too_big_for_float32, items, on_error="default", default_reward=-1.0)
+    assert scores.tolist() == [-1.0, -1.0] and num_errors == 2
+    # Within float32's range a large score is kept.
+    scores, num_errors, _ = score_items(lambda *a: 3e38, items[:1])
+    assert math.isfinite(float(scores[0])) and num_errors == 0
+
+
+@pytest.mark.parametrize("rule, message", [
+    (raises_with_data, r"sample 0: ValueError: cannot grade p=p=p=.*\(\d+ more characters\)"),
+    (returns_text, r"sample 0: TypeError: returned str 'high', expected a number"),
+])
+def test_a_failing_rule_is_one_short_line(rule, message):
+    with pytest.raises(RewardError, match=message) as info:
+        score_items(rule, [("p=", "r", "")], on_error="fail", name="r")
+    text = str(info.value)
+    assert "\n" not in text and len(text) < 300
+
+
+def test_shorten_cuts_and_flattens():
+    assert shorten("a\nb") == "a b"
+    assert shorten("x" * 150, 100) == "x" * 100 + "... (50 more characters)"
+
+
+def _run(overrides: list[str], run_dir: Path, capsys) -> tuple[int, str]:
+    from hybridflow.cli.main import main
+
+    code = main(["run", "tests/bad_inputs/base.yaml", "trainer.iterations=2", "trainer.save_final=false",
+                 *overrides, "--run-dir", str(run_dir)])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_rule_that_raises_stops_the_run_with_one_line(ray_session, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    code, err = _run([f"models.reward.source.rule={HERE}:raises_with_data"], tmp_path / "run", capsys)
+    assert code == 1
+    lines = [line for line in err.splitlines() if line.startswith("stopped:")]
+    assert len(lines) == 1 and len(lines[0]) < 300, err[-2000:]
+    assert "reward tests.test_reward_reliability:raises_with_data: sample 0: ValueError: cannot grade" in lines[0]
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_1e308_with_on_error_default_is_counted_and_the_run_goes_on(ray_session, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    code, err = _run([f"models.reward.source.rule={HERE}:too_big_for_float32",
+                      "nodes.reward.options={on_error: default, default_reward: 0.5, unfinished: keep}"],
+                     tmp_path / "run", capsys)
+    assert code == 0, err[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["reward/num_errors"] == 4.0  # 2 prompts x n=2, every one an error
+        assert row["reward/mean"] == 0.5
