@@ -4,6 +4,7 @@ run writes anything or starts Ray or a worker."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,44 @@ def test_bad_input_gives_one_expected_line_and_exit_2(case, model_dirs, tmp_path
     assert code == 2
     assert err == f"error: {_fill(case['expect'], model_dirs)}\n"
     assert not run_dir.exists(), "the run half-started"
+
+
+@pytest.mark.parametrize("row", [
+    # too long: the prompt is quoted (tokenizing 10 MB takes ~10-40 s, hence slow)
+    pytest.param({"prompt": "ab" * 5_000_000 + "=", "ground_truth": "ab"}, marks=pytest.mark.slow),
+    {"prompt": [{"role": "r" * 10_000_000, "content": "ab="}], "ground_truth": "ab"},  # a bad role
+], ids=["prompt", "role"])
+def test_a_10mb_field_gives_an_error_line_under_300_characters(row, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(row) + "\n" + json.dumps({"prompt": "ab=", "ground_truth": "ab"}) + "\n")
+    code = main(["run", "tests/bad_inputs/base.yaml", f"data.train_files={rows}", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.replace(str(tmp_path), "TMP")  # the line's length wherever TMP is
+    assert code == 2
+    assert err.startswith("error: tests/bad_inputs/base.yaml: data.train_files: TMP/rows.jsonl:1: prompt")
+    assert err.count("\n") == 1 and len(err) < 300, err[:400]
+    assert "more characters)" in err
+
+
+def test_characters_a_pretrained_tokenizer_lacks_are_a_counted_warning(caplog):
+    """Outside the built-in tasks, text a tokenizer encodes as unk loads, with one warning that
+    counts the prompts and names the first."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hybridflow.data.datasets import encode_prompts
+
+    backend = Tokenizer(models.BPE({"<unk>": 0, "a": 1, "b": 2, "=": 3}, [], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<unk>")
+    rows = [{"prompt": "ab=", "origin": "f.jsonl:1"}, {"prompt": "aé=", "origin": "f.jsonl:2"},
+            {"prompt": "b€=", "origin": "f.jsonl:3"}]
+    with caplog.at_level("WARNING"):
+        rendered = encode_prompts(rows, tokenizer, max_prompt_length=8)
+    assert [ids for _, ids in rendered] == [[1, 2, 3], [1, 0, 3], [2, 0, 3]]
+    assert [r.getMessage() for r in caplog.records] == [
+        "2 of 3 prompts hold characters the tokenizer encodes as <unk> (first: f.jsonl:2)"
+    ]
 
 
 def test_base_graph_of_the_corpus_is_valid(monkeypatch):

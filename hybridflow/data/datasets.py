@@ -41,6 +41,7 @@ single value shared by every sample.) Read them back with ``td[key]`` (a list su
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 from numbers import Real
@@ -51,7 +52,11 @@ from tensordict import NonTensorStack, TensorDict
 from transformers import PreTrainedTokenizerBase
 
 from hybridflow.data import keys
+from hybridflow.data.echo import shorten
 from hybridflow.data.tasks import TASKS
+from hybridflow.data.tokenizer import is_char_tokenizer
+
+log = logging.getLogger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
 ORIGIN = "origin"  # row field: where the row came from, for error messages
@@ -192,10 +197,18 @@ def _read_jsonl(path: str, field: str) -> tuple[list[dict], list[str]]:
     cannot (a broken line, or a column whose type changes between rows), each line is parsed
     on its own, so a bad line is named and mixed types still load."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read prompt file as UTF-8 text ({e})", field) from None
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read prompt file ({e.strerror})", field) from None
+    try:
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - raw.rfind(b"\n", 0, e.start)
+        raise DataError(
+            f"{path}:{line}: invalid UTF-8 at byte {column} of the line ({e.reason}); expected UTF-8 text", field
+        ) from None
     numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
     wheres = [f"{path}:{n}" for n, _ in numbered]
     parsed = []
@@ -233,7 +246,8 @@ def _row(obj: dict, where: str, field: str) -> dict:
                 raise DataError(f"{where}: prompt[{i}]: expected a {{role, content}} message", field)
             if message.get("role") not in ROLES:
                 raise DataError(
-                    f"{where}: prompt[{i}].role: expected one of {', '.join(ROLES)}, got {message.get('role')!r}",
+                    f"{where}: prompt[{i}].role: expected one of {', '.join(ROLES)}, "
+                    f"got {shorten(repr(message.get('role')))}",
                     field,
                 )
             if not isinstance(message.get("content"), str):
@@ -308,19 +322,34 @@ def encode_prompts(
     """Rendered text and token ids of each row's prompt (``render_prompt``); ``DataError`` if
     one is empty or longer than ``max_prompt_length``, naming the row."""
     rendered = [render_prompt(row, tokenizer, system_prompt) for row in rows]
-    for i, (row, (_, ids)) in enumerate(zip(rows, rendered)):
+    unknown = []  # origins of prompts holding characters a pretrained tokenizer encodes as unk
+    for i, (row, (text, ids)) in enumerate(zip(rows, rendered)):
+        where, field = row.get(ORIGIN, f"prompt row {i}"), row.get(FIELD, "data.source")
         if not 1 <= len(ids) <= max_prompt_length:
-            where = row.get(ORIGIN, f"prompt row {i}")
             prompt = row["prompt"]
             shown = prompt if isinstance(prompt, str) else prompt[-1]["content"]
-            if len(shown) > 60:
-                shown = shown[:57] + "..."
             what = "" if isinstance(prompt, str) else " after the chat template"
             raise DataError(
-                f"{where}: prompt {shown!r} is {len(ids)} tokens{what}, expected 1 to "
+                f"{where}: prompt {shorten(repr(shown))} is {len(ids)} tokens{what}, expected 1 to "
                 f"data.max_prompt_length = {max_prompt_length}",
-                row.get(FIELD, "data.source"),
+                field,
             )
+        if tokenizer.unk_token_id is None or tokenizer.unk_token_id not in ids:
+            continue
+        if not is_char_tokenizer(tokenizer):
+            unknown.append(where)
+            continue
+        vocab = tokenizer.get_vocab()
+        missing = "".join(sorted({c for c in text if c not in vocab}))
+        raise DataError(
+            f"{where}: prompt has characters outside the built-in task's tokenizer: "
+            f"{shorten(repr(missing))}; expected only its alphabet (a pretrained actor's tokenizer "
+            "takes any text)",
+            field,
+        )
+    if unknown:
+        log.warning("%d of %d prompts hold characters the tokenizer encodes as %s (first: %s)",
+                    len(unknown), len(rows), tokenizer.unk_token, unknown[0])
     return rendered
 
 

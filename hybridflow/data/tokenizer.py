@@ -45,3 +45,10 @@ def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
         unk_token=UNK_TOKEN,
         padding_side="left",
     )
+
+
+def is_char_tokenizer(tokenizer) -> bool:
+    """Whether ``tokenizer`` is one of ``build_char_tokenizer``'s (a word-level vocabulary of
+    single characters): a character outside its alphabet can only become ``<unk>``."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and isinstance(backend.model, models.WordLevel)
