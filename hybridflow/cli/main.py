@@ -222,7 +222,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve_reward(args: argparse.Namespace) -> int:
-    from hybridflow.rewards.remote import serve
+    from hybridflow.rewards.server import serve
     from hybridflow.rewards.rule import load_rule
 
     try:

@@ -1,14 +1,10 @@
-"""Remote reward service: ``hybridflow serve-reward`` (server) and the client a score node uses.
+"""The client a score node uses for ``hybridflow serve-reward`` servers (``rewards.server``
+holds the server and the wire format), and ``RewardSources``: every scorer of a reward model.
 
-Wire format (JSON only, both directions)::
-
-    POST /score   {"prompts": [str], "responses": [str], "ground_truths": [str]}
-               -> {"scores": [float]}              (one finite number per sample)
-    GET  /health  -> {"ok": true}
-
-Both ends bound sizes: the server answers 413 to a body over ``max_request_bytes``; the client
-splits a batch whose JSON body would exceed its ``max_request_bytes`` and rejects a response
-over ``max_response_bytes``. The client retries a failed request (connection error, timeout,
+The client keeps one pooled ``httpx`` connection per server open between batches. It splits a
+batch whose JSON body would exceed its ``max_request_bytes`` and rejects a response over
+``max_response_bytes`` (read as it streams in) or holding a score that is not finite in float32.
+It retries a failed request (connection error, timeout,
 5xx, malformed answer) ``retries`` times, waiting ``backoff_s * 2**k`` before retry ``k``; a 4xx
 is not retried. ``RewardSources`` scores a batch with every component (servers and local rules)
 and aggregates them (weighted sum, mean, min or max), keeping each component's scores.
@@ -17,117 +13,18 @@ and aggregates them (weighted sum, mean, min or max), keeping each component's s
 from __future__ import annotations
 
 import json
-import math
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import torch
 
 from hybridflow.rewards.pool import ScorePool
-from hybridflow.rewards.rule import RewardError, load_rule, score_items, score_texts_guarded
+from hybridflow.rewards.rule import RewardError, is_finite_score, load_rule, score_items
 from hybridflow.spec.graph import ModelSource, RemoteRewardSpec
 
 # A component's (B,) scores ride in the batch as "<score key>/<name>", e.g. "scores/copy".
-
-
-# -- server ---------------------------------------------------------------------------------------
-
-
-def _json_bytes(obj: object) -> bytes:
-    return json.dumps(obj).encode()
-
-
-def _parse_request(body: bytes) -> tuple[list[str], list[str], list[str]]:
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise ValueError("body is not JSON") from None
-    if not isinstance(obj, dict):
-        raise ValueError("expected a JSON object")
-    fields = []
-    for key in ("prompts", "responses", "ground_truths"):
-        value = obj.get(key)
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ValueError(f"{key!r} must be a list of strings")
-        fields.append(value)
-    if len({len(f) for f in fields}) != 1:
-        raise ValueError("prompts, responses and ground_truths must have the same length")
-    return fields[0], fields[1], fields[2]
-
-
-def make_server(
-    fn: Callable[[str, str, str], float],
-    host: str = "127.0.0.1",
-    port: int = 0,
-    max_request_bytes: int = 1 << 20,
-) -> ThreadingHTTPServer:
-    """An HTTP server (not yet serving) that scores requests with the rule ``fn``."""
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def _reply(self, status: int, obj: object) -> None:
-            body = _json_bytes(obj)
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-            if self.path == "/health":
-                self._reply(200, {"ok": True})
-            else:
-                self._reply(404, {"error": f"no such path {self.path}"})
-
-        def do_POST(self) -> None:  # noqa: N802
-            if self.path != "/score":
-                self._reply(404, {"error": f"no such path {self.path}"})
-                return
-            try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                self.close_connection = True
-                self._reply(411, {"error": "Content-Length required"})
-                return
-            if length > max_request_bytes:
-                self.close_connection = True  # the unread body must not be parsed as a request
-                self._reply(413, {"error": f"body of {length} bytes > {max_request_bytes}"})
-                return
-            try:
-                prompts, responses, truths = _parse_request(self.rfile.read(length))
-            except ValueError as exc:
-                self._reply(400, {"error": str(exc)})
-                return
-            scores, num_errors = score_texts_guarded(
-                fn, prompts, responses, truths, on_error="default", default_reward=float("nan")
-            )
-            if num_errors:
-                self._reply(500, {"error": f"the rule failed on {num_errors} sample(s)"})
-                return
-            self._reply(200, {"scores": scores.tolist()})
-
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-            pass  # one line per request would flood the log of a long run
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    return server
-
-
-def serve(rule: str, host: str, port: int, max_request_bytes: int) -> None:
-    """``hybridflow serve-reward``: serve ``rule`` until interrupted."""
-    server = make_server(load_rule(rule), host, port, max_request_bytes)
-    bound_host, bound_port = server.server_address[:2]
-    print(f"serve-reward: {rule} on http://{bound_host}:{bound_port}", flush=True)
-    try:
-        server.serve_forever()
-    finally:
-        server.server_close()
 
 
 # -- client ---------------------------------------------------------------------------------------
@@ -148,13 +45,14 @@ class RemoteScorer:
     max_request_bytes: int = 1 << 20
     max_response_bytes: int = 1 << 20
     num_retries: int = field(default=0, init=False)  # retries done so far (a metric)
+    _client: httpx.Client | None = field(default=None, init=False, repr=False)  # pooled connections
 
     def score(
         self, prompts: Sequence[str], responses: Sequence[str], ground_truths: Sequence[str]
     ) -> list[float]:
-        body = _json_bytes(
+        body = json.dumps(
             {"prompts": list(prompts), "responses": list(responses), "ground_truths": list(ground_truths)}
-        )
+        ).encode()
         if len(body) > self.max_request_bytes:
             if len(prompts) == 1:
                 raise RemoteRewardError(
@@ -179,30 +77,43 @@ class RemoteScorer:
         raise RemoteRewardError(f"{self.url}: failed after {self.retries + 1} attempts ({last})")
 
     def _post(self, body: bytes, num_samples: int) -> list[float]:
-        request = urllib.request.Request(
-            self.url.rstrip("/") + "/score",
-            data=body,
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
+        if self._client is None:
+            self._client = httpx.Client(timeout=self.timeout_s, headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                raw = response.read(self.max_response_bytes + 1)
-        except urllib.error.HTTPError as exc:
-            if 400 <= exc.code < 500:
-                raise _Permanent(f"HTTP {exc.code} {exc.reason}") from None
-            raise OSError(f"HTTP {exc.code} {exc.reason}") from None
-        if len(raw) > self.max_response_bytes:
-            raise ValueError(f"response over max_response_bytes={self.max_response_bytes}")
+            with self._client.stream("POST", self.url.rstrip("/") + "/score", content=body) as response:
+                raw = b""
+                for chunk in response.iter_bytes():
+                    raw += chunk
+                    if len(raw) > self.max_response_bytes:
+                        raise ValueError(f"response over max_response_bytes={self.max_response_bytes}")
+        except httpx.HTTPError as exc:  # connection refused or reset, timeouts, protocol errors
+            raise OSError(f"{type(exc).__name__}: {exc}") from None
+        if 400 <= response.status_code < 500:
+            raise _Permanent(f"HTTP {response.status_code} {response.reason_phrase}: {_error_of(raw)}")
+        if response.status_code >= 300:
+            raise OSError(f"HTTP {response.status_code} {response.reason_phrase}: {_error_of(raw)}")
         try:
             scores = json.loads(raw)["scores"]
         except (ValueError, TypeError, KeyError, UnicodeDecodeError):
             raise ValueError(f"response is not {{'scores': [...]}} JSON: {raw[:80]!r}") from None
         if not isinstance(scores, list) or len(scores) != num_samples:
             raise ValueError(f"expected {num_samples} scores, got {str(scores)[:80]}")
-        if not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) for s in scores):
-            raise ValueError(f"scores must be finite numbers, got {str(scores)[:80]}")
+        if not all(isinstance(s, (int, float)) and not isinstance(s, bool) and is_finite_score(s) for s in scores):
+            raise ValueError(f"scores must be numbers finite in float32, got {str(scores)[:80]}")
         return [float(s) for s in scores]
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def _error_of(raw: bytes) -> str:
+    """A server's ``{"error": ...}`` reason, or the start of whatever it sent."""
+    try:
+        return str(json.loads(raw)["error"])[:200]
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+        return repr(raw[:80])
 
 
 class _Permanent(Exception):
@@ -360,6 +271,9 @@ class RewardSources:
         return ScoreResult(scores, components, num_errors, num_retries, extras)
 
     def close(self) -> None:
+        for _, kind, scorer in self.sources.values():
+            if kind == "remote":
+                scorer.close()
         if self._pool is not None:
             self._pool.close()
             self._pool = None
