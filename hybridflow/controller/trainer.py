@@ -53,6 +53,19 @@ PROGRESS_KEYS = {"reward/mean": "reward", "val/reward/mean": "val", "actor/kl": 
 log = logging.getLogger(__name__)
 
 
+def _drop_unfetched_copies(cause: BaseException) -> None:
+    """Every rank raises the same stop, and the controller fetches one; Ray would log each other
+    rank's copy with its traceback ("Unhandled error") when its ref is dropped. The stop is
+    reported once, in one line: those copies are not logged."""
+    marker = f"RayTaskError({type(cause).__name__})"
+
+    def keep(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Unhandled error") and marker in message)
+
+    logging.getLogger("ray._private.worker").addFilter(keep)
+
+
 class Trainer:
     """Runs a graph: ``fit()`` sets up, iterates, checkpoints, recovers and saves the actor.
 
@@ -137,7 +150,9 @@ class Trainer:
         try:
             metrics = self.step(iteration)
         except (RolloutMismatchError, RewardError) as exc:  # a worker's one-line stop (Ray wraps it)
-            raise RunStopped(f"stopping at iteration {iteration}: {getattr(exc, 'cause', exc)}") from None
+            cause = getattr(exc, "cause", exc)
+            _drop_unfetched_copies(cause)
+            raise RunStopped(f"stopping at iteration {iteration}: {cause}") from None
         for callback in self.callbacks:
             callback(self, iteration, metrics)
         self.nan_guard.check(iteration, self.checkpointer.latest())

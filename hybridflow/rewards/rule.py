@@ -165,8 +165,7 @@ def score_items(
         if on_error == "fail":
             if status == "timeout":
                 raise RewardError(f"reward {name}: sample {i} took longer than timeout_s={timeout_s:g} s")
-            raise RewardError(f"reward {name}: sample {i}: {shorten(value)} (options.on_error: default "
-                              "gives such samples default_reward and counts them)")
+            raise RewardError(f"reward {name}: sample {i}: {shorten(value)} (or options.on_error: default)")
         values.append(default_reward)
         extras.append({})
         num_errors += 1
