@@ -107,11 +107,40 @@ def test_kl_estimators():
 
 
 def test_kl_k3_clamps_log_ratio():
-    # logr - logp = -100 and 100 are clamped to -20 and 20.
-    k3 = kl_penalty(t([[0.0, -100.0]]), t([[-100.0, 0.0]]), "k3")
+    # logr - logp = -100 and 100 are clamped to -20 and 20 (no per-token bound).
+    k3 = kl_penalty(t([[0.0, -100.0]]), t([[-100.0, 0.0]]), "k3", bound=None)
     assert_close(k3, t([[math.exp(-20.0) + 19.0, math.exp(20.0) - 21.0]]), rtol=1e-15, atol=0)
     far = kl_penalty(t([[0.0]], torch.float32), t([[-1e4]], torch.float32), "k3")
     assert torch.isfinite(far).all()
+
+
+def test_kl_k3_is_bounded_per_token_by_default():
+    # logr - logp = -100, 100, 2, -3: k3 = e^-20 + 19, e^20 - 21 (~4.9e8), e^2 - 3, e^-3 + 2.
+    logp = t([[0.0, -100.0, -2.0, 0.0]])
+    logr = t([[-100.0, 0.0, 0.0, -3.0]])
+    unbounded = [math.exp(-20.0) + 19.0, math.exp(20.0) - 21.0, math.exp(2.0) - 3.0, math.exp(-3.0) + 2.0]
+    assert_close(kl_penalty(logp, logr, "k3"), t([[10.0, 10.0, unbounded[2], unbounded[3]]]), rtol=1e-15, atol=0)
+    assert_close(kl_penalty(logp, logr, "k3", bound=3.0), t([[3.0, 3.0, 3.0, unbounded[3]]]), rtol=1e-15, atol=0)
+    # The bound is k3's only: k1 and k2 keep their values.
+    assert_close(kl_penalty(logp, logr, "k1"), t([[100.0, -100.0, -2.0, 3.0]]), rtol=0, atol=0)
+    # A bounded token passes no gradient (verl's clamp): the policy is not pushed by outliers.
+    logp_grad = logp.clone().requires_grad_(True)
+    kl_penalty(logp_grad, logr, "k3").sum().backward()
+    assert logp_grad.grad[0, :2].abs().sum() == 0 and logp_grad.grad[0, 2:].abs().sum() > 0
+
+
+def test_kl_abs_estimator():
+    assert_close(kl_penalty(LOGP, LOGR, "abs"), t([[1.0, 1.0]]), rtol=0, atol=0)
+    assert_close(kl_penalty(t([[-0.5, -3.0]]), t([[-0.25, -1.0]]), "abs"), t([[0.25, 2.0]]), rtol=0, atol=0)
+
+
+def test_kl_estimator_names_agree_with_the_graph_spec():
+    import typing
+
+    from hybridflow.algos import KL_ESTIMATORS
+    from hybridflow.spec.graph import KLName
+
+    assert set(typing.get_args(KLName)) == set(KL_ESTIMATORS)
 
 
 def test_kl_unknown_estimator():

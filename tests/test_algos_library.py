@@ -144,13 +144,13 @@ def test_reinforce_plus_plus_ragged():
 
 def test_reinforce_plus_plus_baseline_groups():
     # Returns: row 0 = 1 1, row 1 = 3 (one token), row 2 = 5 5; uid 0 = rows 0, 1 (mean 2),
-    # uid 1 = row 2 alone (mean 5). Centred: -1 -1 | 1 | 0 0; mean -0.2; deviations
-    # -0.8 -0.8 1.2 0.2 0.2; var 2.8 / 4 = 0.7.
+    # uid 1 = row 2 alone: no baseline (0, verl's fallback). Centred: -1 -1 | 1 | 5 5; mean 1.8;
+    # deviations -2.8 -2.8 -0.8 3.2 3.2; var (2 * 7.84 + 0.64 + 2 * 10.24) / 4 = 9.2.
     mask = t([[1, 1], [1, 0], [1, 1]], torch.int64)
     token_rewards = t([[0.0, 1.0], [3.0, 9.0], [0.0, 5.0]])
     advantages, returns = reinforce_plus_plus_baseline_advantage(token_rewards, mask, t([0, 0, 1], torch.int64))
-    std = math.sqrt(0.7 + 1e-8)
-    expected = t([[-0.8 / std, -0.8 / std], [1.2 / std, 0.0], [0.2 / std, 0.2 / std]])
+    std = math.sqrt(9.2 + 1e-8)
+    expected = t([[-2.8 / std, -2.8 / std], [-0.8 / std, 0.0], [3.2 / std, 3.2 / std]])
     assert_close(advantages, expected, rtol=0, atol=1e-12)
     assert_close(returns, t([[1.0, 1.0], [3.0, 0.0], [5.0, 5.0]]), rtol=0, atol=0)
 
@@ -224,16 +224,17 @@ AGG_MASK = t([[1, 1, 0], [1, 0, 0], [0, 0, 0]], torch.int64)
     "mode, expected",
     [
         ("token-mean", 7 / 3),  # (1 + 2 + 4) / 3 tokens
-        ("seq-mean-token-sum", 7 / 3),  # (3 + 4 + 0) / 3 sequences
-        ("seq-mean-token-mean", 5.5 / 3),  # (1.5 + 4 + 0) / 3 sequences (empty row counts 0)
-        ("seq-mean-token-sum-norm", 7 / 9),  # 7 / (3 sequences * R = 3)
+        # the empty row is no sequence (tests/test_algos_2025.py): 2 sequences
+        ("seq-mean-token-sum", 7 / 2),  # (3 + 4) / 2 sequences
+        ("seq-mean-token-mean", 5.5 / 2),  # (1.5 + 4) / 2 sequences
+        ("seq-mean-token-sum-norm", 7 / 6),  # 7 / (2 sequences * R = 3)
     ],
 )
 def test_loss_aggregation_modes(mode, expected):
     assert agg_loss(AGG_LOSS, AGG_MASK, mode).item() == pytest.approx(expected, rel=1e-15)
     # Micro-batches of one row with the global counts add up to the full-batch value.
     split = sum(
-        agg_loss(AGG_LOSS[i : i + 1], AGG_MASK[i : i + 1], mode, normalizer=3.0, num_seqs=3.0)
+        agg_loss(AGG_LOSS[i : i + 1], AGG_MASK[i : i + 1], mode, normalizer=3.0, num_seqs=2.0)
         for i in range(3)
     )
     assert split.item() == pytest.approx(expected, rel=1e-15)

@@ -13,6 +13,7 @@ from hybridflow.algos.advantages import (
     remax_advantage,
     rloo_advantage,
     safe_rlhf_advantage,
+    zero_without_groups,
 )
 from hybridflow.algos.kl import (
     KL_ESTIMATORS,
@@ -25,12 +26,15 @@ from hybridflow.algos.lagrangian import LagrangeMultiplier
 from hybridflow.algos.losses import (
     agg_loss,
     clipped_value_loss,
+    count_sequences,
     explained_variance,
     entropy_from_logits,
     log_probs_from_logits,
     ReduceSum,
     local_sum,
     masked_mean,
+    cispo_policy_loss,
+    gspo_policy_loss,
     ppo_clip_policy_loss,
     token_mean,
 )
@@ -48,6 +52,7 @@ __all__ = [
     "FixedKLController",
     "LagrangeMultiplier",
     "clipped_value_loss",
+    "count_sequences",
     "discounted_returns",
     "explained_variance",
     "gae_advantage",
@@ -57,6 +62,7 @@ __all__ = [
     "remax_advantage",
     "rloo_advantage",
     "safe_rlhf_advantage",
+    "zero_without_groups",
     "KL_ESTIMATORS",
     "LOSS_AGGS",
     "POLICY_LOSSES",
@@ -70,6 +76,8 @@ __all__ = [
     "log_probs_from_logits",
     "masked_mean",
     "ppo_clip_policy_loss",
+    "gspo_policy_loss",
+    "cispo_policy_loss",
     "token_mean",
     "ReduceSum",
     "local_sum",

@@ -99,18 +99,40 @@ def masked_whiten(
     return whitened * mask_f
 
 
-def discounted_returns(
+def _discounted(
     token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
-) -> torch.Tensor:
-    """``G_t = sum_{k >= t, k valid} gamma^(k - t) r_k`` per token, 0 outside the mask. (B, R)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``discounted_returns`` and each row's return at its first valid token, (B,)."""
+    valid = response_mask.bool()
     mask_f = response_mask.to(token_rewards.dtype)
     rewards = token_rewards * mask_f
     returns = torch.zeros_like(rewards)
     running = rewards.new_zeros(rewards.shape[0])
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
+        # A masked token (padding, or a gap: an observation token) takes no step.
+        running = torch.where(valid[:, t], rewards[:, t] + gamma * running, running)
         returns[:, t] = running
-    return returns * mask_f
+    return returns * mask_f, running
+
+
+def discounted_returns(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
+) -> torch.Tensor:
+    """``G_t = r_t + gamma * G_next`` per valid token, ``G_next`` the return of the next
+    *valid* token (0 after the last), so ``G_t = sum_{k >= t, k valid} gamma^(j(k)) r_k`` with
+    ``j(k)`` the number of valid tokens between t and k. A masked token before a row's last
+    valid token (a gap: an observation token of a multi-turn rollout) is skipped: the return
+    carries over it with no discount step (the same rule as ``gae_advantage``). 0 outside the
+    mask. (B, R)."""
+    return _discounted(token_rewards, response_mask, gamma)[0]
+
+
+def zero_without_groups(estimator: str, scope: GroupScope = "group") -> bool:
+    """Whether ``estimator`` gives every sample advantage 0 when each prompt has one sample:
+    its baseline is the other samples of the prompt (GRPO at ``scope="group"``, RLOO).
+    Validation refuses such a graph. REINFORCE++ with a group baseline falls back to plain
+    REINFORCE++ there (as verl does), GRPO at ``scope="batch"`` compares across prompts."""
+    return estimator == "rloo" or (estimator == "grpo" and scope == "group")
 
 
 @ADV_ESTIMATORS.register("grpo")
@@ -249,8 +271,10 @@ def reinforce_plus_plus_baseline_advantage(
     """REINFORCE++ with a group baseline: the group-mean return is subtracted before whitening.
 
     ``A_t = whiten(G_t - mean_{j in group} G_0^j)``: each token's discounted return minus the mean
-    sequence return ``G_0`` of the samples sharing its ``uid``, then whitened over the batch's
-    valid tokens. A group of one, or of equal returns, centres to 0 before whitening.
+    sequence return ``G_0`` (the return at its first valid token) of the samples sharing its
+    ``uid``, then whitened over the batch's valid tokens. A group of equal returns centres to 0
+    before whitening. A group of one has no baseline (0): its sample is plain REINFORCE++, as
+    in verl, so a batch of one sample per prompt is ``reinforce_plus_plus``.
 
     Args:
         token_rewards: (B, R); response_mask: (B, R); uid: (B,) int64; gamma: discount.
@@ -258,10 +282,10 @@ def reinforce_plus_plus_baseline_advantage(
     Returns:
         ``(advantages, returns)``, (B, R): whitened centred returns and the raw returns.
     """
-    returns = discounted_returns(token_rewards, response_mask, gamma)
-    seq_return = returns[:, 0]
+    returns, seq_return = _discounted(token_rewards, response_mask, gamma)
     counts, sums, _ = _group_stats(seq_return, uid)
-    centred = returns - _broadcast(sums / counts, response_mask)
+    baseline = torch.where(counts > 1, sums / counts, torch.zeros_like(sums))
+    centred = returns - _broadcast(baseline, response_mask)
     return masked_whiten(centred, response_mask, reduce_sum=reduce_sum), returns
 
 
@@ -278,13 +302,17 @@ def gae_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) over the response tokens.
 
-    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V_{t+1} = 0`` after the last valid token;
-    ``A_t = delta_t + gamma * lambda * A_{t+1}``; ``returns = A + V`` (the value target). With
+    ``delta_t = r_t + gamma * V_next - V_t`` and ``A_t = delta_t + gamma * lambda * A_next``,
+    where ``next`` is the next *valid* token (``V_next = A_next = 0`` after the last);
+    ``returns = A + V`` (the value target). A masked token before a row's last valid token (a
+    gap: an observation token of a multi-turn rollout) is skipped, not an episode end: the
+    running ``V_next`` and ``A_next`` carry over it with no discount step, as in verl. With
     ``whiten`` the advantages (not the returns) are whitened over the batch's valid tokens.
 
     Args:
         token_rewards: (B, R) float; values: (B, R) float, ``V`` of the state each token was
-            sampled in; response_mask: (B, R), right-padded; gamma, gae_lambda: in [0, 1].
+            sampled in; response_mask: (B, R), 1 on the tokens the policy chose; gamma,
+            gae_lambda: in [0, 1].
 
     Returns:
         ``(advantages, returns)``, (B, R), 0 outside the mask.
@@ -294,6 +322,7 @@ def gae_advantage(
             f"gae_advantage expects token_rewards, values, response_mask all (B, R); got "
             f"{tuple(token_rewards.shape)}, {tuple(values.shape)}, {tuple(response_mask.shape)}"
         )
+    valid = response_mask.bool()
     mask_f = response_mask.to(values.dtype)
     rewards = token_rewards.to(values.dtype) * mask_f
     values = values * mask_f
@@ -304,9 +333,9 @@ def gae_advantage(
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         advantage = (delta + gamma * gae_lambda * next_advantage) * mask_f[:, t]
         advantages[:, t] = advantage
-        # A padded position passes nothing back: the episode ended before it.
-        next_value = values[:, t]
-        next_advantage = advantage
+        # A masked position (trailing padding: still 0; a gap) passes the running values on.
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        next_advantage = torch.where(valid[:, t], advantage, next_advantage)
     returns = (advantages + values) * mask_f
     if whiten:
         advantages = masked_whiten(advantages, response_mask, reduce_sum=reduce_sum)

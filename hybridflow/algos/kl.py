@@ -5,7 +5,10 @@ relates to ``KL(pi || ref)`` (Schulman, "Approximating KL divergence"):
 
 - ``k1 = -log r`` — unbiased, high variance, can be negative per token.
 - ``k2 = 0.5 * (log r)^2`` — biased, low variance, always >= 0.
-- ``k3 = r - 1 - log r`` — unbiased, low variance, always >= 0.
+- ``k3 = r - 1 - log r`` — unbiased, low variance, always >= 0; bounded per token to
+  ``[-bound, bound]`` (default 10, as verl's ``low_var_kl``): with the log-ratio clamped at
+  +-20 alone it could reach ~5e8 on one token and swamp the loss.
+- ``abs = |log r|`` — biased, always >= 0 (verl's ``abs``).
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from typing import Literal
 
 import torch
 
-KLEstimator = Literal["k1", "k2", "k3"]
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+KLEstimator = Literal["k1", "k2", "k3", "abs"]
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
+DEFAULT_K3_BOUND = 10.0
 
 # exp(20) ~ 4.9e8: k3 stays finite in float32 (and bf16) even for tokens the two models
 # disagree on wildly; beyond it the estimate only saturates.
@@ -26,6 +30,7 @@ def kl_penalty(
     log_probs: torch.Tensor,
     ref_log_probs: torch.Tensor,
     estimator: KLEstimator,
+    bound: float | None = DEFAULT_K3_BOUND,
 ) -> torch.Tensor:
     """Per-token estimate of ``KL(pi || ref)`` at tokens sampled from ``pi``.
 
@@ -34,7 +39,9 @@ def kl_penalty(
         ref_log_probs: (B, R) float, ``log ref`` of the same tokens.
         estimator: ``"k1"`` (``logp - logr``), ``"k2"`` (``0.5 * (logp - logr)^2``) or ``"k3"``
             (``exp(logr - logp) - (logr - logp) - 1``, with ``logr - logp`` clamped to
-            [-20, 20] so the exponential cannot overflow).
+            [-20, 20] so the exponential cannot overflow) or ``"abs"`` (``|logp - logr|``).
+        bound: k3 only: each token's estimate is clamped to ``[-bound, bound]``; None = no
+            bound (the log-ratio clamp alone).
 
     Returns:
         (B, R) float. Not masked: multiply by the response mask (or aggregate with it).
@@ -46,7 +53,10 @@ def kl_penalty(
         return 0.5 * diff.square()
     if estimator == "k3":
         log_ratio = (-diff).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        return log_ratio.exp() - log_ratio - 1
+        k3 = log_ratio.exp() - log_ratio - 1
+        return k3 if bound is None else k3.clamp(-bound, bound)
+    if estimator == "abs":
+        return diff.abs()
     expected = ", ".join(KL_ESTIMATORS)
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {expected}")
 

@@ -49,11 +49,29 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, reduce_sum: ReduceSum 
 # in the loss's dtype, and the *global* numbers of valid tokens and of sequences (all
 # micro-batches, all data-parallel ranks), so that summing the returned micro-batch losses gives
 # the full-batch value. Left as None by the caller they are this call's own counts (at least 1).
+#
+# Fully masked rows (a truncated response masked out of the loss, a row with no token the
+# policy chose): one rule for every mode, verl's. Such a row has no token, so it adds nothing to
+# any numerator, and it is *not a sequence* of the batch: ``num_seqs`` counts the rows with at
+# least one valid token (``count_sequences``; the engines count the same). TRL counts such rows
+# in its ``grpo`` and ``dr_grpo`` means; with no fully masked row the two agree.
+#
+# Besides verl's ``loss_agg_mode`` names, TRL's ``loss_type`` names (GRPOTrainer) are modes:
+# ``grpo`` = seq-mean-token-mean, ``dr_grpo`` = seq-mean-token-sum-norm (R is
+# ``data.max_response_length``: responses are padded to it), ``dapo`` = token-mean (TRL
+# normalises by the tokens of the whole accumulated batch over all processes, as here), and
+# ``bnpo``, which has no verl twin: the token mean of each micro-batch, averaged over the
+# micro-batches and ranks.
+
+
+def count_sequences(mask: torch.Tensor) -> torch.Tensor:
+    """Rows of ``mask`` (B, R) with at least one valid token (the ``num_seqs`` of the rule)."""
+    return (mask.sum(-1) > 0).sum()
 
 
 @LOSS_AGGS.register("token-mean")
 def token_mean(masked: torch.Tensor, mask: torch.Tensor, num_tokens, num_seqs) -> torch.Tensor:
-    """``sum(loss * mask) / num_tokens``: every valid token weighs the same."""
+    """``sum(loss * mask) / num_tokens``: every valid token weighs the same (TRL's ``dapo``)."""
     return masked.sum() / num_tokens
 
 
@@ -65,17 +83,32 @@ def seq_mean_token_sum(masked: torch.Tensor, mask: torch.Tensor, num_tokens, num
 
 @LOSS_AGGS.register("seq-mean-token-mean")
 def seq_mean_token_mean(masked: torch.Tensor, mask: torch.Tensor, num_tokens, num_seqs) -> torch.Tensor:
-    """``sum_i mean_t(loss_it over valid t) / num_seqs``: every sequence weighs the same. A
-    sequence without valid tokens contributes 0 (and still counts in ``num_seqs``)."""
+    """``sum_i mean_t(loss_it over valid t) / num_seqs``: every sequence weighs the same (TRL's
+    ``grpo``). A fully masked row is no sequence: not in the sum, not in ``num_seqs``."""
     return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_seqs
 
 
 @LOSS_AGGS.register("seq-mean-token-sum-norm")
 def seq_mean_token_sum_norm(masked: torch.Tensor, mask: torch.Tensor, num_tokens, num_seqs) -> torch.Tensor:
-    """``sum(loss * mask) / (num_seqs * R)``: token sums over a constant (Dr.GRPO). ``R`` is the
-    maximum response length, so a token's weight does not depend on the other responses'
-    lengths."""
+    """``sum(loss * mask) / (num_seqs * R)``: token sums over a constant (Dr.GRPO, TRL's
+    ``dr_grpo``). ``R`` is the maximum response length, so a token's weight does not depend on
+    the other responses' lengths."""
     return masked.sum() / (num_seqs * masked.shape[1])
+
+
+@LOSS_AGGS.register("bnpo")
+def bnpo(masked: torch.Tensor, mask: torch.Tensor, num_tokens, num_seqs) -> torch.Tensor:
+    """TRL's ``bnpo``: this call's (micro-batch's) own token mean, weighted by its share of the
+    sequences, ``(sum(loss * mask) / tokens_here) * (seqs_here / num_seqs)``. Over equal
+    micro-batches that is the mean of the micro-batch token means (TRL: per device batch =
+    ``train.micro_batch_size``); it depends on how the batch is cut, unlike ``token-mean``."""
+    here = count_sequences(mask).to(masked.dtype)
+    return masked.sum() / mask.sum().clamp(min=1) * (here / num_seqs)
+
+
+LOSS_AGGS.register("grpo")(seq_mean_token_mean)
+LOSS_AGGS.register("dr_grpo")(seq_mean_token_sum_norm)
+LOSS_AGGS.register("dapo")(token_mean)
 
 
 def agg_loss(
@@ -88,17 +121,34 @@ def agg_loss(
     """Reduce a (B, R) loss matrix under ``mask`` (B, R) to a () scalar with a ``LOSS_AGGS`` mode.
 
     ``normalizer`` is the global number of valid tokens, ``num_seqs`` the global number of
-    sequences (see above); None = this call's own counts.
+    sequences with a valid token (see above); None = this call's own counts. Both are taken
+    as at least 1.
     """
     mask = mask.to(loss_mat.dtype)
     if normalizer is None:
-        normalizer = mask.sum().clamp(min=1)
+        normalizer = mask.sum()
     if num_seqs is None:
-        num_seqs = max(mask.shape[0], 1)
+        num_seqs = count_sequences(mask)
+    # At least 1: a batch whose every row is masked out (all truncated) has loss 0, not NaN.
+    normalizer = torch.as_tensor(normalizer, dtype=loss_mat.dtype).clamp(min=1)
+    num_seqs = torch.as_tensor(num_seqs, dtype=loss_mat.dtype).clamp(min=1)
     return LOSS_AGGS.get(mode)(loss_mat * mask, mask, normalizer, num_seqs)
 
 
 # -- policy losses -------------------------------------------------------------------------
+
+
+def _ratio_metrics(
+    log_probs: torch.Tensor, old_log_probs: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> dict[str, float]:
+    """The metrics every ratio-based policy loss reports (see ``ppo_clip_policy_loss``)."""
+    with torch.no_grad():
+        return {
+            "clip_frac": masked_mean(clipped.to(log_probs.dtype), response_mask).item(),
+            "approx_kl": masked_mean(kl_penalty(old_log_probs, log_probs, "k3"), response_mask).item(),
+            "ratio_mean": masked_mean(ratio.detach(), response_mask).item(),
+        }
 
 
 @POLICY_LOSSES.register("ppo_clip")
@@ -156,16 +206,85 @@ def ppo_clip_policy_loss(
         dual_mask = (advantages < 0) & (loss_mat > cap)
         loss_mat = torch.where(dual_mask, cap, loss_mat)
 
-    with torch.no_grad():
-        clipped_mask = (clipped > unclipped).to(loss_mat.dtype)
-        approx_kl = kl_penalty(old_log_probs, log_probs, "k3")
-        metrics = {
-            "clip_frac": masked_mean(clipped_mask, response_mask).item(),
-            "dual_clip_frac": masked_mean(dual_mask.to(loss_mat.dtype), response_mask).item(),
-            "approx_kl": masked_mean(approx_kl, response_mask).item(),
-            "ratio_mean": masked_mean(ratio, response_mask).item(),
-        }
+    metrics = _ratio_metrics(log_probs, old_log_probs, ratio, clipped > unclipped, response_mask)
+    metrics["dual_clip_frac"] = masked_mean(dual_mask.to(loss_mat.dtype), response_mask).item()
     return loss_mat, metrics
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    **_,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025): PPO's clipped surrogate on a sequence-level ratio.
+
+    ``s_i = exp(mean_{t valid} (log_probs - old_log_probs))``, the length-normalised (geometric
+    mean) importance ratio of sequence ``i``, clipped as a whole to ``[1 - low, 1 + high]``
+    (GSPO's ranges are small, e.g. 3e-4 / 4e-4). Per token (the paper's GSPO-token form), the
+    ratio is ``s_i`` in value and ``s_i * grad log pi_t`` in gradient, and the loss is
+    ``max(-A_t * s_i, -A_t * clip(s_i))``; with a sequence advantage and ``seq-mean-token-mean``
+    aggregation (GSPO's) that is exactly the sequence objective, gradient included. The
+    sequence log-ratio is clamped to [-20, 20] (its value only). A row with no valid token has
+    ratio 1.
+
+    Returns ``(loss_mat, metrics)`` as ``ppo_clip_policy_loss`` (``clip_frac`` counts the
+    tokens of clipped sequences, ``ratio_mean`` is the mean of ``s_i`` over tokens) plus
+    ``seq_clip_frac``, the share of sequences whose ratio is clipped.
+    """
+    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    mask_f = response_mask.to(log_probs.dtype)
+    lengths = mask_f.sum(-1)
+    seq_log_ratio = ((log_probs - old_log_probs) * mask_f).sum(-1) / lengths.clamp(min=1)
+    seq_log_ratio = seq_log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    # value: s_i on every token; gradient: s_i * d log pi_t (the detached terms cancel in value)
+    ratio = (log_probs - log_probs.detach() + seq_log_ratio.detach().unsqueeze(-1)).exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    metrics = _ratio_metrics(log_probs, old_log_probs, ratio, clipped > unclipped, response_mask)
+    with torch.no_grad():
+        seq_ratio = seq_log_ratio.exp()
+        seq_clipped = ((seq_ratio < 1.0 - low) | (seq_ratio > 1.0 + high)) & (lengths > 0)
+        metrics["seq_clip_frac"] = float(seq_clipped.sum() / (lengths > 0).sum().clamp(min=1))
+    return loss_mat, metrics
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    **_,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, 2025): REINFORCE on every token, weighted by a clipped, stop-gradient
+    importance weight: ``loss = -sg(clip(ratio, 1 - low, 1 + high)) * A * log_probs``.
+
+    Unlike PPO's clip, a token whose ratio leaves the range keeps its gradient (scaled by the
+    bound): only the weight is clipped. ``ratio = exp(log_probs - old_log_probs)``, log-ratio
+    clamped to [-20, 20]; the gradient is ``-w * A * grad log pi``. MiniMax sets no lower bound
+    in effect (``clip_ratio_low: 1`` here gives 0) and a large upper one.
+
+    Returns ``(loss_mat, metrics)`` as ``ppo_clip_policy_loss``; ``clip_frac`` is the share of
+    tokens whose weight is clipped.
+    """
+    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    ratio = (log_probs - old_log_probs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+    weight = ratio.clamp(1.0 - low, 1.0 + high).detach()
+    loss_mat = -weight * advantages * log_probs
+    clipped = (ratio < 1.0 - low) | (ratio > 1.0 + high)
+    return loss_mat, _ratio_metrics(log_probs, old_log_probs, ratio, clipped, response_mask)
 
 
 def clipped_value_loss(

@@ -34,7 +34,8 @@ from hybridflow.spec.layout import ParallelLayout
 # forward_out holds "log_probs" (B, R) and "entropy" (B, R) for a policy, "values" (B, R) for a
 # critic (with grad, zero outside response_mask), plus the global normalisers as 0-dim float32
 # tensors: "num_global_tokens" (response_mask summed over the whole mini-batch, all micro-batches
-# and all DP ranks) and "num_global_seqs" (its samples). The engine sums the returned losses over
+# and all DP ranks) and "num_global_seqs" (its samples with at least one response token:
+# ``algos.count_sequences``, the fully-masked-row rule of ``algos.losses``). The engine sums the returned losses over
 # micro-batches and DP ranks: a loss_fn that divides by "num_global_tokens" therefore yields the
 # exact full-batch token mean. Metrics are python floats, averaged weighted by response tokens.
 LossFn = Callable[[TensorDict, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]

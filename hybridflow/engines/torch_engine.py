@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
-from hybridflow.algos import entropy_from_logits, log_probs_from_logits
+from hybridflow.algos import count_sequences, entropy_from_logits, log_probs_from_logits
 from hybridflow.data import keys as K
 from hybridflow.engines.base import LossFn, ModelKind, TrainEngine
 from hybridflow.engines.packing import pack
@@ -228,7 +228,7 @@ class TorchTrainEngine(TrainEngine):
 
         ``loss_fn(micro_batch, forward_out)`` gets in ``forward_out``, besides the model outputs
         (with grad), ``"num_global_tokens"`` and ``"num_global_seqs"``: 0-dim float32 tensors,
-        the response tokens and samples of the whole mini-batch over all DP ranks. Returned
+        the response tokens and samples (with a response token) of the whole mini-batch over all DP ranks. Returned
         metrics: ``loss`` (sum of the returned losses over micro-batches and ranks, i.e. the
         full-batch loss), ``loss_fn``'s metrics averaged over micro-batches and ranks weighted by
         response tokens, ``grad_norm`` (before clipping), ``lr`` (used by this step),
@@ -240,7 +240,7 @@ class TorchTrainEngine(TrainEngine):
         self.module.train()
         num_local_tokens = batch[K.RESPONSE_MASK].sum()
         counts = self._all_reduce_sum(
-            torch.stack([num_local_tokens, torch.tensor(batch.batch_size[0])]).to(torch.float64)
+            torch.stack([num_local_tokens, count_sequences(batch[K.RESPONSE_MASK])]).to(torch.float64)
         )
         num_global_tokens = counts[0].to(torch.float32)
         num_global_seqs = counts[1].to(torch.float32)

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import networkx as nx
 
+from hybridflow.algos.advantages import zero_without_groups
 from hybridflow.graph.batching import batch_plan
 from hybridflow.graph.ops import OPS, SOURCE_WRITES, Op
-from hybridflow.spec.graph import GraphSpec, ModelSpec, NodeBase
+from hybridflow.spec.graph import AdvantageOptions, GraphSpec, ModelSpec, NodeBase
 from hybridflow.spec.layout import ParallelLayout
 from hybridflow.spec.loading import SpecError, load_graph_spec, load_pools, resolve_relative
 from hybridflow.spec.pool import PoolSpec
@@ -210,7 +211,26 @@ def _check_samples_per_prompt(spec: GraphSpec, nodes: list[Node], dag: nx.DiGrap
                 "every input of a node must have the same (check models.<actor>.rollout.n and "
                 "greedy generate nodes)",
             )
-        per_prompt[name] = samples_per_prompt(spec, node, max(sources.values(), default=1))
+        inputs_per_prompt = max(sources.values(), default=1)
+        _check_groups(spec, node, inputs_per_prompt, file, f"nodes[{index[name]}]")
+        per_prompt[name] = samples_per_prompt(spec, node, inputs_per_prompt)
+
+
+def _check_groups(spec: GraphSpec, node: Node, per_prompt: int, file: str, where: str) -> None:
+    """Refuse an advantage whose baseline is the other samples of a prompt when each prompt
+    has one sample: every advantage would be 0 and the run would train on nothing."""
+    opts = node.spec.options
+    if per_prompt == 1 and isinstance(opts, AdvantageOptions) and zero_without_groups(opts.estimator, opts.scope):
+        grpo = opts.estimator == "grpo"
+        actor = next(name for name, model in spec.models.items() if model.role == "actor")
+        raise SpecError(
+            file,
+            f"{where}.options.estimator",
+            f"{opts.estimator}{' at scope group' if grpo else ''} compares each sample with the "
+            f"other samples of its prompt, but node {node.name!r} gets 1 sample per prompt: every "
+            f"advantage would be 0; set models.{actor}.rollout.n >= 2"
+            + (" or options.scope: batch" if grpo else ""),
+        )
 
 
 def _resolve_placement(

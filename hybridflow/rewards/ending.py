@@ -25,6 +25,7 @@ import torch
 from tensordict import TensorDict
 
 from hybridflow.data import keys as K
+from hybridflow.rewards.overlong import OVERLONG_FIELDS
 from hybridflow.spec.graph import ScoreOptions
 
 
@@ -32,8 +33,9 @@ ENDING_FIELDS = frozenset({"unfinished", "unfinished_score"})  # ScoreOptions fi
 
 
 def scorer_options(options: ScoreOptions) -> dict:
-    """The scorer's keywords: every ``ScoreOptions`` field but the ending rule's."""
-    return options.model_dump(exclude=ENDING_FIELDS)
+    """The scorer's keywords: every ``ScoreOptions`` field but the ending rule's and the
+    overlong punishment's."""
+    return options.model_dump(exclude=ENDING_FIELDS | OVERLONG_FIELDS)
 
 
 def unfinished_mask(

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from hybridflow.spec.layout import ParallelLayout
 
 Role = Literal["actor", "critic", "ref", "reward", "cost"]
+KLName = Literal["k1", "k2", "k3", "abs"]  # algos.kl.KL_ESTIMATORS (a test keeps them equal)
+_KL_BOUND = "k3 only: each token's KL estimate is clamped to [-kl_bound, kl_bound] (verl's 10); null = unbounded (the log-ratio clamp at +-20 alone lets one token reach ~5e8)."
 
 
 class Spec(BaseModel):
@@ -256,6 +258,15 @@ class ScoreOptions(Spec):
     unfinished_score: float = Field(
         0.0, description="Score of a response that did not end, under unfinished: replace."
     )
+    overlong_buffer: int | None = Field(
+        None,
+        ge=1,
+        description="DAPO's soft overlong punishment: a response longer than "
+        "data.max_response_length - overlong_buffer tokens gets overlong_penalty * (its excess "
+        "/ overlong_buffer) subtracted from its score (up to overlong_penalty at the maximum "
+        "length); null = off. Counted in reward/overlong_penalty/mean.",
+    )
+    overlong_penalty: float = Field(1.0, ge=0, description="Largest overlong punishment.")
 
     on_error: Literal["fail", "default"] = Field(
         "fail", description="'fail' stops the run; 'default' gives the sample default_reward "
@@ -313,7 +324,8 @@ class AdvantageOptions(Spec):
     kl_coef: float = Field(
         0.0, ge=0, description="KL-in-reward: token reward -= coef * KL(actor || ref); 0 = off."
     )
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL-in-reward estimator.")
+    kl_estimator: KLName = Field("k1", description="KL-in-reward estimator.")
+    kl_bound: float | None = Field(10.0, gt=0, description=_KL_BOUND)
     kl_target: float | None = Field(
         None, gt=0, description="Adaptive KL controller target; null = fixed kl_coef."
     )
@@ -331,15 +343,29 @@ class AdvantageNode(NodeBase):
 
 
 class UpdateOptions(Spec):
-    policy_loss: str = Field("ppo_clip", description="Registered policy loss name.")
+    policy_loss: str = Field(
+        "ppo_clip",
+        description="Registered policy loss: ppo_clip (token ratio, clipped surrogate), gspo "
+        "(sequence ratio, length-normalised, clipped per sequence; use loss_agg "
+        "seq-mean-token-mean), cispo (REINFORCE with a clipped stop-gradient ratio weight). All "
+        "take clip_ratio, clip_ratio_low, clip_ratio_high.",
+    )
     clip_ratio: float = Field(0.2, gt=0, description="PPO clip epsilon.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL(actor || ref) loss term.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    kl_estimator: KLName = Field("k3", description="KL estimator.")
+    kl_bound: float | None = Field(10.0, gt=0, description=_KL_BOUND)
     entropy_coef: float = Field(0.0, description="Entropy bonus weight (subtracted from loss).")
     loss_agg: str = Field(
         "token-mean",
-        description="Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, "
-        "seq-mean-token-sum-norm.",
+        description="Loss aggregation (normalisation), by verl's loss_agg_mode or TRL's "
+        "loss_type name: token-mean (= dapo), seq-mean-token-mean (= grpo), "
+        "seq-mean-token-sum, seq-mean-token-sum-norm (= dr_grpo), bnpo (token mean per "
+        "micro-batch). Rows with no valid token are not counted as sequences.",
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="Actor update: leave responses that hit data.max_response_length without "
+        "ending out of the loss (DAPO's overlong filtering, TRL's mask_truncated_completions).",
     )
     mini_batches: int = Field(
         1,

@@ -119,7 +119,9 @@ def compute_advantages(
     metrics: dict[str, float] = {}
     if opts.kl_coef > 0:
         controller = state[f"kl_ctrl/{node.name}"]
-        kl = kl_penalty(fields.pop("old_log_probs"), fields.pop("ref_log_probs"), opts.kl_estimator)
+        kl = kl_penalty(
+            fields.pop("old_log_probs"), fields.pop("ref_log_probs"), opts.kl_estimator, opts.kl_bound
+        )
         kl = kl * mask
         token_rewards = token_rewards - controller.value * kl
         mean_kl = float(masked_mean(kl, mask, reduce_sum))
@@ -127,7 +129,9 @@ def compute_advantages(
         metrics[f"{prefix}reward_kl/coef"] = controller.value
         num_samples = int(reduce_sum(torch.tensor(float(mask.shape[0]))))
         controller.update(mean_kl, num_steps=num_samples)
-    estimator_options = opts.model_dump(exclude={"estimator", "kl_coef", "kl_estimator", "kl_target", "kl_horizon"})
+    estimator_options = opts.model_dump(
+        exclude={"estimator", "kl_coef", "kl_estimator", "kl_bound", "kl_target", "kl_horizon"}
+    )
     advantages, returns = ADV_ESTIMATORS.get(opts.estimator)(
         **fields, token_rewards=token_rewards, reduce_sum=reduce_sum, **estimator_options
     )

@@ -25,6 +25,7 @@ from hybridflow.hybrid_engine.consistency import ConsistencyStats, check_consist
 from hybridflow.hybrid_engine.sync import WeightSync, weight_sync
 from hybridflow.graph.dag import Graph, Node
 from hybridflow.rewards.ending import apply_ending_rule, scorer_options
+from hybridflow.rewards.overlong import overlong_penalty
 from hybridflow.rewards.remote import RewardSources, row_fields
 from hybridflow.spec.graph import Spec, UpdateOptions
 from hybridflow.spec.layout import RankCoords
@@ -201,6 +202,11 @@ class ModelWorker(Worker):
             scores = self.train_engines[model].forward(batch)["last_values"]
         scores, unfinished = apply_ending_rule(scores, batch, self.tokenizer, opts, role)
         metrics[f"{prefix}/unfinished_frac"] = float(unfinished.float().mean())
+        if opts.overlong_buffer is not None:
+            lengths = batch[K.RESPONSE_MASK].sum(-1)
+            penalty = overlong_penalty(lengths, self.spec.data.max_response_length, opts.overlong_buffer, opts.overlong_penalty)
+            scores = scores - penalty
+            metrics[f"{prefix}/overlong_penalty/mean"] = float(penalty.mean())
         result = TensorDict(
             {output_key: scores, K.TOKEN_REWARDS: place_sequence_reward(scores, batch[K.RESPONSE_MASK]), **fields},
             batch_size=batch.batch_size,
@@ -256,6 +262,10 @@ class ModelWorker(Worker):
         opts: UpdateOptions = node.spec.options
         model = node.model
         extra: dict[str, float] = {}
+        if opts.mask_truncated:  # DAPO's overlong filtering: truncated rows leave the loss
+            kept = ~batch[K.TRUNCATED].bool()
+            batch[K.RESPONSE_MASK] = batch[K.RESPONSE_MASK] * kept.unsqueeze(-1).to(batch[K.RESPONSE_MASK].dtype)
+            extra["actor/masked_truncated_frac"] = float((~kept).float().mean())
         if opts.safety is not None:
             lagrange = self.extra_state[f"lagrange/{node.name}"]
             extra.update(algo_steps.apply_safety(batch, opts, lagrange, algo_steps.dp_sum(self._dp_group(model))))
@@ -372,7 +382,7 @@ class ModelWorker(Worker):
             )
             metrics["pg_loss"] = float(agg_loss(loss_mat.detach(), response_mask))
             if opts.kl_coef > 0:
-                kl = kl_penalty(log_probs, mb[K.REF_LOG_PROBS], opts.kl_estimator)
+                kl = kl_penalty(log_probs, mb[K.REF_LOG_PROBS], opts.kl_estimator, opts.kl_bound)
                 loss_mat = loss_mat + opts.kl_coef * kl
                 metrics["kl"] = float(masked_mean(kl.detach(), response_mask))
             if opts.entropy_coef:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor
 
-from hybridflow.algos import entropy_from_logits, log_probs_from_logits
+from hybridflow.algos import count_sequences, entropy_from_logits, log_probs_from_logits
 from hybridflow.data import keys as K
 from hybridflow.engines.base import LossFn, ModelKind, TrainEngine, TrainShard
 from hybridflow.engines.megatron import cpu_compat
@@ -328,7 +328,7 @@ class MegatronTrainEngine(TrainEngine):
         model-parallel rank); metrics as :meth:`TorchTrainEngine.train_step`."""
         assert batch.batch_size[0] > 0, "every data-parallel replica needs at least one sample"
         counts = self._all_reduce_dp(
-            torch.stack([batch[K.RESPONSE_MASK].sum(), torch.tensor(batch.batch_size[0])]).to(torch.float64)
+            torch.stack([batch[K.RESPONSE_MASK].sum(), count_sequences(batch[K.RESPONSE_MASK])]).to(torch.float64)
         )
         num_global_tokens = counts[0].to(torch.float32)
         extra = {"num_global_tokens": num_global_tokens.to(self.device), "num_global_seqs": counts[1].to(torch.float32).to(self.device)}
