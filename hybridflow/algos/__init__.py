@@ -15,6 +15,7 @@ from hybridflow.algos.advantages import (
     safe_rlhf_advantage,
     zero_without_groups,
 )
+from hybridflow.algos.filtering import informative_groups
 from hybridflow.algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -56,6 +57,7 @@ __all__ = [
     "discounted_returns",
     "explained_variance",
     "gae_advantage",
+    "informative_groups",
     "masked_whiten",
     "reinforce_plus_plus_advantage",
     "reinforce_plus_plus_baseline_advantage",

@@ -43,12 +43,13 @@ Perfetto): one process row per pool, one thread row per rank.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
 
 from hybridflow.controller.metrics import reduce_metas
-from hybridflow.graph.dag import SOURCE, Graph, Node, samples_per_prompt
+from hybridflow.graph.dag import SOURCE, Graph, Node, refilled_nodes, samples_per_prompt
 from hybridflow.spec.layout import ParallelLayout
 from hybridflow.workers.group import WorkerGroup
 from hybridflow.workers.accounting import FETCHED_BYTES, PUT_BYTES, controller_get, fetched_tensor_bytes
@@ -117,17 +118,115 @@ def run_nodes(
     prompts: ShardedRef,
     *,
     serial: bool = False,
+    more_prompts: Callable[[], ShardedRef] | None = None,
 ) -> IterationResult:
     """Run ``nodes`` (a topologically ordered subset of the graph) on ``prompts``.
 
     ``serial``: submit one node at a time, each after the previous one finished.
+    ``more_prompts``: fresh prompts (as many as ``prompts``) for a refilling node (dynamic
+    sampling, see ``run_refilling``); needed only when ``nodes`` hold one.
     """
+    refilling = [node for node in nodes if graph.op(node).refills]
+    given = {SOURCE: NodeResult(prompts, 1, [], time.perf_counter(), time.perf_counter())}
+    if not refilling:
+        return _run(graph, nodes, groups, given, serial)
+    if more_prompts is None:
+        raise ValueError(f"node {refilling[0].name!r} refills its batch: run_nodes needs more_prompts")
+    return run_refilling(graph, nodes, refilling[0], groups, prompts, serial, more_prompts)
+
+
+def run_refilling(
+    graph: Graph,
+    nodes: list[Node],
+    filt: Node,
+    groups: dict[str, WorkerGroup],
+    prompts: ShardedRef,
+    serial: bool,
+    more_prompts: Callable[[], ShardedRef],
+) -> IterationResult:
+    """Dynamic sampling: run the nodes before ``filt`` (its ancestors) and ``filt`` itself on
+    ``prompts``, then on fresh prompts, round after round, until the kept groups fill a batch
+    of ``prompts.total`` groups or ``max_rounds`` rounds are done (the last round's dropped
+    groups then fill it); then the nodes after ``filt`` run on that batch.
+
+    The filter's body returns each rank's rows reordered, kept groups first, and how many rows
+    it kept (``kept_rows``); the batch is prefixes of those shards, so the controller never
+    handles a tensor. Metrics: the first round's (the policy's plain rewards, before any
+    filtering), ``timing/*`` and ``rollout/num_tokens`` summed over the rounds, and
+    ``filter/rounds`` and ``filter/*_groups``: ``generated`` (all rounds), ``filtered`` (dropped:
+    all-equal scores), ``kept`` (informative groups in the batch; a round's surplus is left
+    out) and ``filled`` (dropped groups put back after the last round).
+    """
+    before = {node.name for node in refilled_nodes(graph, filt)}
+    upstream = [node for node in nodes if node.name in before] + [filt]
+    downstream = [node for node in nodes if node.name not in before and node is not filt]
+    wanted = prompts.total  # groups in a full batch
+    refs, sizes, have = [], [], 0
+    counts = {"generated": 0, "kept": 0, "filtered": 0, "filled": 0}
+    merged: IterationResult | None = None
+    rounds = filt.spec.options.max_rounds
+    for round_index in range(rounds):
+        batch = prompts if round_index == 0 else more_prompts()
+        now = time.perf_counter()
+        done = _run(graph, upstream, groups, {SOURCE: NodeResult(batch, 1, [], now, now)}, serial)
+        out = done.outputs[filt.name]
+        size = out.group_size
+        kept = [int(meta["kept_rows"]) for meta in out.metas]
+        counts["generated"] += batch.total
+        counts["filtered"] += (out.data.total - sum(kept)) // size
+        # Each shard is its rank's rows, kept groups first: take a prefix of it, kept rows only,
+        # and after the last round also dropped ones to fill the batch.
+        prefix = [0] * len(kept)
+        for fill in (False, True) if round_index == rounds - 1 else (False,):
+            for shard, (total_rows, kept_rows) in enumerate(zip(out.data.sizes, kept)):
+                take = min((total_rows if fill else kept_rows) - prefix[shard], (wanted - have) * size)
+                if take > 0:
+                    prefix[shard] += take
+                    have += take // size
+                    counts["filled" if fill else "kept"] += take // size
+        refs += [ref for ref, rows in zip(out.data.refs, prefix) if rows]
+        sizes += [rows for rows in prefix if rows]
+        merged = done if merged is None else _add_round(merged, done)
+        if have == wanted:
+            break
+    merged.metrics["filter/rounds"] = float(round_index + 1)
+    merged.metrics.update({f"filter/{name}_groups": float(value) for name, value in counts.items()})
+    now = time.perf_counter()
+    filtered = NodeResult(ShardedRef(refs=refs, sizes=sizes), size, merged.outputs[filt.name].metas, now, now)
+    rest = _run(graph, downstream, groups, {filt.name: filtered}, serial)
+    for key, value in rest.metrics.items():
+        merged.metrics[key] = merged.metrics.get(key, 0.0) + value if _additive(key) else value
+    merged.timeline += rest.timeline
+    merged.outputs.update(rest.outputs)
+    return merged
+
+
+def _additive(metric: str) -> bool:
+    """Metrics that add up over the rounds of dynamic sampling (times, counts, bytes)."""
+    return metric.startswith(("timing/", "transfer/")) or metric in ("rollout/num_tokens", FETCHED_BYTES_METRIC)
+
+
+def _add_round(first: IterationResult, later: IterationResult) -> IterationResult:
+    """``first`` with a later round's additive metrics and timeline added in."""
+    for key, value in later.metrics.items():
+        if _additive(key):
+            first.metrics[key] = first.metrics.get(key, 0.0) + value
+    first.timeline += later.timeline
+    return first
+
+
+def _run(
+    graph: Graph,
+    nodes: list[Node],
+    groups: dict[str, WorkerGroup],
+    given: dict[str, NodeResult],
+    serial: bool,
+) -> IterationResult:
+    """Run ``nodes`` whose producers are among them or in ``given`` (finished results)."""
     fetched_before = fetched_tensor_bytes()
     result = IterationResult()
     rank_metas: dict[str, list[dict]] = {}
-    results: dict[str, NodeResult] = {
-        SOURCE: NodeResult(prompts, 1, [], time.perf_counter(), time.perf_counter())
-    }
+    results: dict[str, NodeResult] = dict(given)
     pending: dict[str, _Pending] = {}
     remaining = list(nodes)
 
@@ -158,7 +257,7 @@ def run_nodes(
             output_group_size = samples_per_prompt(graph.spec, node, group_size)
             pending[node.name] = _Pending(
                 handle, time.perf_counter(), output_group_size, group,
-                _predict_output(layout, data, group_size, output_group_size, handle),
+                None if graph.op(node).refills else _predict_output(layout, data, group_size, output_group_size, handle),
             )
             remaining.remove(node)
         if not pending:

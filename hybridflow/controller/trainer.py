@@ -165,7 +165,10 @@ class Trainer:
         t0 = time.perf_counter()
         prompts = self.dataset.next_batch()
         options = self.spec.trainer
-        result = run_nodes(self.graph, list(self.graph.nodes), self.groups, self._put(prompts), serial=options.serial)
+        result = run_nodes(
+            self.graph, list(self.graph.nodes), self.groups, self._put(prompts), serial=options.serial,
+            more_prompts=lambda: self._put(self.dataset.next_batch()),  # dynamic sampling's refills
+        )
         if options.trace_interval and iteration % options.trace_interval == 0:
             trace_file = self.dirs.trace(iteration)
             trace_file.parent.mkdir(exist_ok=True)

@@ -178,6 +178,51 @@ def _build_dag(nodes: list[Node], file: str) -> nx.DiGraph:
     raise SpecError(file, "nodes", f"the graph has a cycle: {path}")
 
 
+def _route_through_filters(nodes: list[Node], dag: nx.DiGraph, file: str) -> None:
+    """Make every reader of a refilling node's input keys that runs after it read them from it.
+
+    A refilling op (``filter``: dynamic sampling) drops prompt groups and has the nodes before
+    it (its ancestors: prompts -> generate -> score) re-run on fresh prompts until the batch is
+    full; the nodes after it must see the filtered batch only. So an edge that carries one of
+    its input keys to a node that is not its ancestor is re-pointed to start at the filter (the
+    DAG stays acyclic: the filter is upstream of none of its ancestors), and a later node may
+    read nothing else that the re-run nodes (or the data source) produce.
+    """
+    refilling = [(i, n) for i, n in enumerate(nodes) if OPS[n.op].refills]
+    if len(refilling) > 1:
+        names = [n.name for _, n in refilling]
+        raise SpecError(file, f"nodes[{refilling[1][0]}]", f"one filter node per graph, found {names}")
+    for i, filt in refilling:
+        # Its score slot makes it come after a generate node (and an update, writing no key,
+        # can never come before it).
+        before = nx.ancestors(dag, filt.name)
+        index = {n.name: j for j, n in enumerate(nodes)}
+        guarded = set(filt.inputs)
+        for src, dst, keys in list(dag.edges(data="keys")):
+            if src not in before or dst in before or dst == filt.name:
+                continue
+            stray = [key for key in keys if key not in guarded]
+            if stray:
+                raise SpecError(
+                    file,
+                    f"nodes[{index[dst]}].inputs",
+                    f"node {dst!r} runs after filter {filt.name!r} but reads {stray} from "
+                    f"{src!r}, which the filter re-runs; only the filter's inputs "
+                    f"{sorted(guarded)} reach later nodes (filtered)",
+                )
+            dag.remove_edge(src, dst)
+            if dag.has_edge(filt.name, dst):
+                dag.edges[filt.name, dst]["keys"].extend(keys)
+            else:
+                dag.add_edge(filt.name, dst, keys=list(keys))
+
+
+def refilled_nodes(graph: "Graph", filt: Node) -> list[Node]:
+    """The nodes a refilling node re-runs each round (its ancestors), in execution order."""
+    before = nx.ancestors(graph.dag, filt.name)
+    return [n for n in graph.nodes if n.name in before]
+
+
 def samples_per_prompt(spec: GraphSpec, node: Node, inputs: int) -> int:
     """Samples per prompt in ``node``'s outputs, given its inputs' (the same for all of them): a
     node that generates makes ``rollout.n`` (1 when greedy); every other op keeps its inputs'
@@ -290,6 +335,7 @@ def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node
         raise SpecError(file, "models", f"one actor per graph, found {actors}")
     nodes = _resolve_nodes(spec, file)
     dag = _build_dag(nodes, file)
+    _route_through_filters(nodes, dag, file)
     nodes = [_fill_slots(node, file, f"nodes[{i}]") for i, node in enumerate(nodes)]
     _check_samples_per_prompt(spec, nodes, dag, file)
     by_name = {n.name: n for n in nodes}

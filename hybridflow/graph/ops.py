@@ -24,6 +24,7 @@ from pydantic import Field, create_model
 from hybridflow.data import keys as K
 from hybridflow.spec.graph import (
     AdvantageOptions,
+    FilterOptions,
     GenerateOptions,
     NodeBase,
     NoOptions,
@@ -57,7 +58,10 @@ class Op:
     the main one); ``method``: the worker method that runs it, by role where they differ;
     ``text``: the body reads per-sample strings (prompt text, ground truth); ``generates``: the
     op runs the actor's rollout engine (needs rollout settings, is split over the generation
-    layout, and makes ``rollout.n`` samples per prompt, 1 when greedy)."""
+    layout, and makes ``rollout.n`` samples per prompt, 1 when greedy); ``refills``: the op
+    drops prompt groups and the controller re-runs the nodes before it on fresh prompts until the
+    batch is full again (dynamic sampling); every later reader of its input keys reads its
+    output (``graph.dag``), so its output size is not known before it finishes."""
 
     name: str
     roles: frozenset[str]
@@ -69,6 +73,7 @@ class Op:
     slots: Mapping[str, Slot] = field(default_factory=dict)
     text: bool = False
     generates: bool = False
+    refills: bool = False
 
     def default_inputs(self, role: str) -> tuple[str, ...]:
         return self.inputs.get(role, self.inputs.get("*", ()))
@@ -195,6 +200,20 @@ register_op(Op(
         "values": Slot("values key", VALUE_KEYS, required=False),
         "advantages": Slot("advantage key", ADVANTAGE_KEYS, side="outputs"),
     },
+))
+# Dynamic sampling: keeps the prompt groups whose scores differ, ordered first; writes no key of
+# its own: the nodes after it read its inputs' keys from it (filtered). Next to the scores'
+# consumers, like advantage.
+register_op(Op(
+    "filter",
+    roles=ANY_ROLE,
+    options=FilterOptions,
+    method="filter_groups",
+    inputs={"*": ("responses", "scores")},
+    outputs={"*": ()},
+    slots={"score": Slot("score key", SCORE_KEYS)},
+    text=True,  # the kept rows carry every field of its inputs downstream, strings included
+    refills=True,
 ))
 register_op(Op(
     "update",

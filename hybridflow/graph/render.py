@@ -6,7 +6,7 @@ from pathlib import Path
 
 import networkx as nx
 
-from hybridflow.graph.dag import SOURCE, Graph
+from hybridflow.graph.dag import SOURCE, Graph, Node, refilled_nodes
 from hybridflow.spec.loading import SpecError
 
 
@@ -22,12 +22,21 @@ def describe(graph: Graph) -> str:
     lines.append("nodes (execution order):")
     for node in graph.nodes:
         waits = sorted({src for src in graph.producers(node).values() if src != SOURCE})
+        outputs = _refill_note(graph, node) or ", ".join(node.outputs) or "(update)"
         lines.append(
             f"  {node.name:<14} {node.op:<10} on {node.model:<8} "
-            f"{', '.join(node.inputs) or '-'} -> {', '.join(node.outputs) or '(update)'}"
+            f"{', '.join(node.inputs) or '-'} -> {outputs}"
             + (f"   waits for: {', '.join(waits)}" if waits else "")
         )
     return "\n".join(lines)
+
+
+def _refill_note(graph: Graph, node: Node) -> str:
+    """For a refilling node (dynamic sampling): what it re-runs, else ''."""
+    if not graph.op(node).refills:
+        return ""
+    again = ", ".join(n.name for n in refilled_nodes(graph, node))
+    return f"(filtered; re-runs {again} on fresh prompts, <= {node.spec.options.max_rounds} rounds)"
 
 
 def draw(graph: Graph, out: str | Path) -> Path:
@@ -59,6 +68,10 @@ def draw(graph: Graph, out: str | Path) -> Path:
         n: (f"{n}\n{graph.node(n).op} on {graph.node(n).model}" if n in pool_of else "prompts")
         for n in dag
     }
+    for node in graph.nodes:  # a filter says what it re-runs (the refill is no edge: acyclic)
+        if graph.op(node).refills:
+            again = ", ".join(n.name for n in refilled_nodes(graph, node))
+            labels[node.name] += f"\nre-runs {again}\n<= {node.spec.options.max_rounds} rounds"
     layers = 1 + max(nx.get_node_attributes(dag, "layer").values())
     fig, ax = plt.subplots(figsize=(max(6.0, 2.6 * layers), 5.0))
     nx.draw_networkx_nodes(dag, positions, ax=ax, node_color=colours, node_size=3800, node_shape="s")

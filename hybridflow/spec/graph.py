@@ -408,6 +408,22 @@ class SafetyOptions(Spec):
     lambda_max: float | None = Field(None, gt=0, description="Upper bound; null = none.")
 
 
+class FilterOptions(Spec):
+    """Dynamic sampling (DAPO): drop the prompt groups whose scores are all equal (their
+    group-relative advantages are 0), re-run the nodes before the filter (prompts -> generate ->
+    score) on fresh prompts and keep their informative groups, until the batch holds
+    data.prompts_per_iteration groups again. Every node after the filter reads the filtered
+    batch."""
+
+    max_rounds: int = Field(
+        3,
+        ge=1,
+        description="Generation rounds per iteration at most (the first included). If the batch "
+        "is still short after them, the last round's uninformative groups fill it (counted in "
+        "filter/filled_groups) so that the batch keeps its size.",
+    )
+
+
 class UpdateNode(NodeBase):
     op: Literal["update"]
     options: UpdateOptions = Field(default_factory=UpdateOptions)

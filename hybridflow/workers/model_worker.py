@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from hybridflow.algos import POLICY_LOSSES, agg_loss, kl_penalty, masked_mean
+from hybridflow.algos import POLICY_LOSSES, agg_loss, informative_groups, kl_penalty, masked_mean
 from hybridflow.data import keys as K
 from hybridflow.data.batch import place_sequence_reward
 from hybridflow.engines.base import ROLLOUT_ENGINES, TRAIN_ENGINES, RolloutEngine, SamplingParams, TrainEngine
@@ -24,6 +24,7 @@ from hybridflow.engines.models import build_causal_lm, build_value_model
 from hybridflow.hybrid_engine.consistency import ConsistencyStats, check_consistency
 from hybridflow.hybrid_engine.sync import WeightSync, weight_sync
 from hybridflow.graph.dag import Graph, Node
+from hybridflow.graph.ops import graph_keys
 from hybridflow.rewards.ending import apply_ending_rule, scorer_options
 from hybridflow.rewards.overlong import overlong_penalty
 from hybridflow.rewards.remote import RewardSources, row_fields
@@ -246,6 +247,15 @@ class ModelWorker(Worker):
         reduce_sum = algo_steps.dp_sum(self._dp_group(node.model))
         result, metrics = algo_steps.compute_advantages(batch, node, self.extra_state, reduce_sum)
         return result, {"metrics": metrics}
+
+    def filter_groups(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
+        """Dynamic sampling's filter: this rank's rows (whole prompt groups) with the groups
+        whose scores differ first, then the others; ``kept_rows`` counts the first ones (the
+        controller takes prefixes, ``controller.executor.run_refilling``)."""
+        scores = batch[graph_keys()[node.slots["score"]][0]].float()
+        keep = informative_groups(scores, batch[K.UID])
+        order = torch.cat([keep.nonzero()[:, 0], (~keep).nonzero()[:, 0]])
+        return batch[order], {"kept_rows": int(keep.sum())}
 
     def update_critic(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
         opts: UpdateOptions = node.spec.options
