@@ -363,7 +363,8 @@ def test_plan_cli_prints_the_chosen_placement(capsys):
     assert "plan:" in out and "actor" in out and "stages:" in out
     code = main([
         "plan", str(ROOT / "graphs" / "grpo.yaml"), "data.prompts_per_iteration=1024",
-        "models.actor.rollout.n=1", "--model-size", "13b",
+        # one sample per prompt: GRPO then needs batch-wide statistics (validate refuses scope group)
+        "models.actor.rollout.n=1", "nodes.advantage.options.scope=batch", "--model-size", "13b",
         "--pool", str(ROOT / "resource_pools" / "a100_16x8.yaml"),
     ])
     assert code == 0

@@ -106,7 +106,7 @@ def test_score_op_applies_the_rule_on_the_compute_score_path(tmp_path):
     g.node("generate", "generate", model="actor", inputs=["prompts"], outputs=["responses"])
     g.node("reward", "score", model="reward", inputs=["responses"], outputs=["scores"], num_workers=0)
     g.node("advantage", "advantage", model="actor", inputs=["responses", "scores"], outputs=["advantages"],
-           estimator="grpo")
+           estimator="grpo", scope="batch")  # one sample per prompt: batch-wide statistics
     g.node("update_actor", "update", model="actor", inputs=["responses", "advantages"], outputs=[])
     g.data(source="builtin:copy", prompts_per_iteration=2, max_prompt_length=8, max_response_length=4)
     TOKENIZER.save_pretrained(tmp_path / "tokenizer")
