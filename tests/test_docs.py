@@ -63,6 +63,21 @@ EXEMPT = {
     r"^hybridflow run graphs/grpo\.yaml --pools resource_pools/local_cpu\.yaml$": (
         "grpo.yaml's own pool file: the same run as the first command's"
     ),
+    r"^python examples/remax\.py --iterations 0 --run-dir runs/\w+$": (
+        "the graph of graphs/remax.yaml (tests/test_graph.py checks the builder equals the file); "
+        "tests/test_algorithms_learn.py runs its full default run"
+    ),
+    r"^PYTHONPATH=\S+ hybridflow run graphs/ppo\.yaml models\.reward\.source\.rule=custom_reward:": (
+        "examples/custom_reward.py makes this run: PPO with this rule, the module put on the "
+        "workers' PYTHONPATH before Ray starts"
+    ),
+}
+# A documented run that is, once shrunk, the same run as another documented one (run directory
+# aside): made once, as the other.
+SAME_RUN = {
+    r"^\.venv/bin/hybridflow run graphs/grpo\.yaml$": (
+        "hybridflow run graphs/grpo.yaml trainer.iterations=20 models.actor.rollout.n=4 --run-dir runs/n4"
+    ),
 }
 # Where an exempt run is exercised instead, and what that file must hold for it to be so.
 COVERED_BY = {
@@ -72,6 +87,8 @@ COVERED_BY = {
     "tests/test_megatron_grpo.py": ['"grpo_megatron.yaml"', ".fit()"],
     "tests/test_loggers.py": ["def test_tensorboard_writes_scalars"],
     "tests/test_smollm2.py": ['main(["eval", GRAPH', 'main(["plot"'],
+    "tests/test_graph.py": ["def test_python_builder_equals_yaml"],
+    "examples/custom_reward.py": ['REWARD = "custom_reward:exact_or_partial"', '"ppo"', 'os.environ["PYTHONPATH"]'],
 }
 SMALL_RUN = [
     "trainer.iterations=2", "trainer.val_interval=2", "data.prompts_per_iteration=4",
@@ -102,7 +119,26 @@ def _has_redirect(line: str) -> bool:
 
 
 def exempt_reason(command: str) -> str | None:
+    same = next((other for pattern, other in SAME_RUN.items() if re.search(pattern, command)), None)
+    if same:
+        return f"shrunk, the same run as `{same}`"
     return next((why for pattern, why in EXEMPT.items() if re.search(pattern, command)), None)
+
+
+def _shrunk_run(command: str) -> tuple:
+    """What a `hybridflow run` command runs once shrunk: its resolved graph spec and its options
+    other than the run directory."""
+    from hybridflow.spec.loading import load_graph_spec
+
+    tokens = shlex.split(shrink(command))
+    at = next(i for i, t in enumerate(tokens) if t.endswith("hybridflow")) + 1
+    assert tokens[at] == "run", command
+    rest = tokens[at + 2 :]
+    if "--run-dir" in rest:
+        del rest[rest.index("--run-dir") : rest.index("--run-dir") + 2]
+    overrides = [t for t in rest if "=" in t and not t.startswith("--")]
+    options = [t for t in rest if t not in overrides]
+    return load_graph_spec(ROOT / tokens[at + 1], overrides), options
 
 
 def shrink(command: str) -> str:
@@ -176,10 +212,16 @@ def test_exempt_commands_are_run_elsewhere():
     ]
     for pattern, why in EXEMPT.items():
         assert any(re.search(pattern, c) for c in documented), f"exemption {pattern!r} matches no command"
-        for name in re.findall(r"tests/\w+\.py", why):
+        for name in re.findall(r"(?:tests|examples)/\w+\.py", why):
             text = (ROOT / name).read_text()
             missing = [needle for needle in COVERED_BY[name] if needle not in text]
             assert not missing, f"{name} no longer runs what {pattern!r} exempts: {missing}"
+    for pattern, other in SAME_RUN.items():
+        matched = [c for c in documented if re.search(pattern, c)]
+        assert matched and other in documented, f"{pattern!r} or `{other}` is no longer documented"
+        assert all(_shrunk_run(c) == _shrunk_run(other) for c in matched), (
+            f"shrunk, {matched} is no longer the same run as `{other}`"
+        )
     assert yaml.safe_load((ROOT / "graphs" / "grpo.yaml").read_text())["resources"] == "resource_pools/local_cpu.yaml"
 
 
@@ -215,10 +257,16 @@ def _check_outputs(command: str, done: subprocess.CompletedProcess, work: Path) 
     tokens = shlex.split(command) if not _has_redirect(command) else []
     while tokens and re.match(r"^\w+=", tokens[0]):  # leading VAR=value assignments
         tokens.pop(0)
-    if "--run-dir" in tokens and "run" in tokens[:2]:
-        metrics = work / tokens[tokens.index("--run-dir") + 1] / "metrics.jsonl"
-        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-        assert rows and all(math.isfinite(v) for row in rows for v in row.values()), metrics
+    if tokens[:2] == ["hybridflow", "run"]:
+        # The summary table, one key per row, and nothing printed as a raw Python dict.
+        shown = re.search(r"^run summary\n(?:  .*\n?)*?  iterations +(\d+)$", done.stdout, re.M)
+        assert shown and "{'" not in done.stdout, done.stdout[-2000:]
+    if "--run-dir" in tokens and tokens[:2] == ["hybridflow", "run"]:
+        run_dir = work / tokens[tokens.index("--run-dir") + 1]
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert rows and all(math.isfinite(v) for row in rows for v in row.values()), run_dir
+        assert len(rows) == int(shown.group(1)), (len(rows), done.stdout[-2000:])
+        assert (run_dir / "actor" / "config.json").is_file(), "the trained actor was not saved"
     if tokens[:2] == ["hybridflow", "plot"]:
         png = Path(tokens[tokens.index("--out") + 1]) if "--out" in tokens else Path(tokens[2]) / "plot.png"
         assert (work / png).read_bytes()[:4] == b"\x89PNG", png
