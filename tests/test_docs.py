@@ -10,7 +10,8 @@ Fenced blocks by language:
   ``python examples/*.py`` gets ``--iterations 2``. A few commands are
   exempt below, each with the reason and where it is exercised instead: a run another test
   already makes is not made twice, and ``test_exempt_commands_are_run_elsewhere`` checks that
-  the test it names still makes it.
+  the test it names still makes it (and that a run exempt as, shrunk, the same as another
+  documented run still resolves to the same graph).
 - ``python``: run as a script in the same directory (``iterations=N`` shrunk the same way).
 - ``yaml``: a graph or pool file (``...`` items dropped) must validate against the JSON schema.
 - ``text`` (or no language): output shown to the reader; not run.
