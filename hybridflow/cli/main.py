@@ -3,6 +3,7 @@
     hybridflow run graphs/grpo.yaml [key.path=value ...] [--pools FILE] [--address ADDR]
                                     [--run-dir DIR] [--resume]
     hybridflow serve-reward MODULE:FUNCTION [--host H] [--port P] [--max-request-bytes N]
+                            [--ray-serve [--replicas N] [--replica-cpus C] [--address ADDR]]
     hybridflow validate graphs/*.yaml [key.path=value ...] [--pools FILE]
     hybridflow graph graphs/grpo.yaml
     hybridflow plan graphs/grpo.yaml [--pool FILE] [--model-size 7b]
@@ -79,6 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 = any free port (printed)")
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    serve.add_argument("--ray-serve", action="store_true",
+                       help="serve on Ray Serve replicas behind its HTTP proxy (rewards that outgrow one machine)")
+    serve.add_argument("--replicas", type=int, default=1, help="with --ray-serve: Serve replicas of the rule")
+    serve.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray-serve: CPUs each replica holds")
+    serve.add_argument("--address", help="with --ray-serve: join this Ray cluster instead of starting a local one")
 
     from hybridflow.cli import eval as eval_cli  # its own module: hybridflow eval
 
@@ -229,7 +235,16 @@ def _cmd_serve_reward(args: argparse.Namespace) -> int:
         load_rule(args.rule)
     except ValueError as exc:
         raise SpecError("serve-reward", "rule", str(exc)) from None
-    serve(args.rule, args.host, args.port, args.max_request_bytes)
+    if not args.ray_serve:
+        serve(args.rule, args.host, args.port, args.max_request_bytes)
+        return 0
+    if args.port == 0 or args.replicas < 1:
+        raise SpecError("serve-reward", "--port" if args.port == 0 else "--replicas",
+                        "--ray-serve needs a fixed port and at least one replica")
+    from hybridflow.rewards.ray_serve import serve_on_ray
+
+    serve_on_ray(args.rule, args.host, args.port, args.replicas, args.replica_cpus, args.address,
+                 args.max_request_bytes)
     return 0
 
 

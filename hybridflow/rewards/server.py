@@ -1,6 +1,7 @@
 """``hybridflow serve-reward RULE``: a rule reward over HTTP, on starlette + uvicorn (h11).
 
-Wire format (JSON only, both directions; ``hybridflow.rewards.remote`` is the client)::
+Wire format (JSON only, both directions; ``hybridflow.rewards.remote`` is the client;
+``hybridflow.rewards.ray_serve`` serves the same app on Ray Serve replicas)::
 
     POST /score   {"prompts": [str], "responses": [str], "ground_truths": [str]}
                -> 200 {"scores": [float]}      one number per sample, finite in float32
