@@ -1,13 +1,18 @@
 """The rule reward behind Ray Serve (issue 24: "for rewards that outgrow one machine, the same
-rule served behind Ray Serve"): a real Serve application with 2 replicas on the local Ray,
-scored through hybridflow's own pooled client and through a graph's remote reward source,
-with the ``serve-reward`` contract: 4xx for a bad request, a 500 naming a rule error or a
-score not finite in float32, JSON-only replies."""
+rule served behind Ray Serve"): `hybridflow serve-reward RULE --ray-serve --replicas 2`, a real
+Serve application with 2 replicas on a local Ray, scored through hybridflow's own pooled client
+and through a graph's remote reward source, with the ``serve-reward`` contract: 4xx for a bad
+request, a 500 naming a rule error or a score not finite in float32, JSON-only replies."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,6 +23,7 @@ from hybridflow.rewards.remote import RemoteRewardError, RemoteScorer, RewardSou
 from hybridflow.rewards.rule import RewardError
 from hybridflow.spec.graph import ModelSource
 
+ROOT = Path(__file__).resolve().parent.parent
 RULE = "tests.test_reward_ray_serve:copy_or_fail"
 
 
@@ -39,22 +45,43 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def serve_url(ray_session):
-    """The URL of ``RULE`` on 2 Serve replicas, started as ``serve run`` would
-    (``build_app``'s arguments are strings)."""
-    from ray import serve
-
-    from hybridflow.rewards.ray_serve import APP_NAME, build_app
-
+def serve_url(tmp_path_factory):
+    """The URL of ``hybridflow serve-reward RULE --ray-serve --replicas 2`` on a free port: a
+    process with its own local Ray, as a user starts it; interrupted (Ctrl-C) at the end."""
+    logs = tmp_path_factory.mktemp("serve") / "out.log"
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the replicas import RULE's module
+    with logs.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hybridflow.cli.main", "serve-reward", RULE, "--ray-serve", "--replicas", "2",
+             "--replica-cpus", "0.5", "--port", str(port)],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
     try:
-        serve.run(build_app({"rule": RULE, "replicas": "2", "num_cpus": "0.5"}), name=APP_NAME, route_prefix="/")
-        replicas = serve.status().applications[APP_NAME].deployments["RewardDeployment"].replica_states
-        assert replicas == {"RUNNING": 2}
-        yield f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while f"2 replica(s), {url}" not in logs.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, logs.read_text()[-3000:]
+            time.sleep(0.5)
+        yield url
     finally:
-        serve.shutdown()
+        proc.send_signal(signal.SIGINT)  # serve_on_ray's finally shuts its Ray down
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_serve_runs_builder_reads_its_string_arguments():
+    """``serve run hybridflow.rewards.ray_serve:build_app rule=... replicas=2`` (Serve passes
+    the ``key=value`` arguments as strings)."""
+    from hybridflow.rewards.ray_serve import build_app
+
+    bound = build_app({"rule": RULE, "replicas": "2", "num_cpus": "0.5"})._bound_deployment
+    assert (bound.num_replicas, bound.ray_actor_options["num_cpus"], bound.init_args) == (2, 0.5, (RULE, 1 << 20))
+    with pytest.raises(ValueError, match="needs rule=MODULE:FUNCTION; unknown arguments \\['replica'\\]"):
+        build_app({"rule": RULE, "replica": "2"})
 
 
 @pytest.mark.slow

@@ -241,8 +241,11 @@ def _cmd_serve_reward(args: argparse.Namespace) -> int:
     if args.port == 0 or args.replicas < 1:
         raise SpecError("serve-reward", "--port" if args.port == 0 else "--replicas",
                         "--ray-serve needs a fixed port and at least one replica")
-    from hybridflow.rewards.ray_serve import serve_on_ray
-
+    try:
+        from hybridflow.rewards.ray_serve import serve_on_ray
+    except ImportError as exc:  # ray[serve]'s own deps
+        raise SpecError("serve-reward", "--ray-serve", f"needs Ray Serve ({exc}); install the `serve` "
+                        "extra: pip install -e '.[serve]'") from None
     serve_on_ray(args.rule, args.host, args.port, args.replicas, args.replica_cpus, args.address,
                  args.max_request_bytes)
     return 0

@@ -60,9 +60,7 @@ def serve_on_ray(rule: str, host: str, port: int, replicas: int, num_cpus: float
     the cluster at ``address``) until interrupted, then delete the application."""
     import ray
 
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(address=address, include_dashboard=False)
+    ray.init(address=address, include_dashboard=False)
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(reward_app(rule, replicas, num_cpus, max_request_bytes), name=APP_NAME, route_prefix="/")
@@ -70,7 +68,6 @@ def serve_on_ray(rule: str, host: str, port: int, replicas: int, num_cpus: float
         while True:
             time.sleep(3600)
     finally:
-        if started_ray:  # Serve and its replicas end with the Ray this process started
-            ray.shutdown()
-        else:
+        if address is not None:  # on a local Ray, Serve and its replicas end with it
             serve.delete(APP_NAME)
+        ray.shutdown()
