@@ -79,10 +79,12 @@ def test_default_run_learns(ray_session, tmp_path, name):
 
 
 # -- issue 21: DAPO (dynamic sampling), GSPO, CISPO ------------------------------------------
-# Not yet shown to learn the copy task by +0.3 (the README's rows: GSPO +0.18, CISPO +0.11 in 120
-# iterations): until they do, each shipped file runs a few iterations end to end here, with its
-# own losses and dynamic sampling's bookkeeping checked.
+# Their full runs (300-400 iterations at 16 x 16, the README's rows: each +0.3 or more) are too
+# long for the suite; each shipped file runs a few iterations end to end here instead, at its
+# earlier 8 samples per prompt (more of DAPO's groups are all-equal there, so the filter refills
+# within 4 iterations), with its own losses and dynamic sampling's bookkeeping checked.
 ISSUE_21_ITERATIONS = {"dapo": 4, "gspo": 4, "cispo": 4}
+ISSUE_21_SAMPLES = 8
 
 
 @pytest.mark.parametrize("name", sorted(ISSUE_21_ITERATIONS))
@@ -91,6 +93,7 @@ def test_2025_algorithm_runs(ray_session, tmp_path, name):
 
     run_dir = tmp_path / name
     overrides = ["trainer.progress=false", f"trainer.iterations={ISSUE_21_ITERATIONS[name]}",
+                 f"models.actor.rollout.n={ISSUE_21_SAMPLES}",
                  "trainer.save_interval=0", "trainer.save_final=false", "trainer.val_interval=0"]
     graph = load_graph(ROOT / "graphs" / f"{name}.yaml", overrides)
     Trainer(graph, run_dir=str(run_dir)).fit()
