@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -47,7 +48,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def serve_url(tmp_path_factory):
     """The URL of ``hybridflow serve-reward RULE --ray-serve --replicas 2`` on a free port: a
-    process with its own local Ray, as a user starts it; interrupted (Ctrl-C) at the end."""
+    process with its own local Ray, as a user starts it; stopped with SIGTERM at the end, which it
+    handles as Ctrl-C."""
     logs = tmp_path_factory.mktemp("serve") / "out.log"
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the replicas import RULE's module
@@ -65,12 +67,15 @@ def serve_url(tmp_path_factory):
             time.sleep(0.5)
         yield url
     finally:
-        proc.send_signal(signal.SIGINT)  # serve_on_ray's finally shuts its Ray down
+        proc.send_signal(signal.SIGTERM)  # as `kill` sends it: serve_on_ray's finally shuts its Ray down
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            warnings.warn(f"serve-reward --ray-serve still ran 30 s after SIGTERM:\n{logs.read_text()[-2000:]}")
+        else:
+            assert "interrupted" in logs.read_text() and proc.returncode == 130, logs.read_text()[-2000:]
 
 
 def test_serve_runs_builder_reads_its_string_arguments():

@@ -14,6 +14,7 @@ name, so the rule's module must be importable on every node. Two ways to start i
 
 from __future__ import annotations
 
+import signal
 import time
 
 from ray import serve
@@ -57,10 +58,13 @@ def build_app(args: dict[str, str]) -> serve.Application:
 def serve_on_ray(rule: str, host: str, port: int, replicas: int, num_cpus: float, address: str | None,
                  max_request_bytes: int) -> None:
     """``hybridflow serve-reward RULE --ray-serve``: serve ``rule`` on Ray Serve (a local Ray, or
-    the cluster at ``address``) until interrupted, then delete the application."""
+    the cluster at ``address``) until interrupted (Ctrl-C, or SIGTERM as ``kill`` and container
+    runtimes send it), then delete the application."""
     import ray
 
     ray.init(address=address, include_dashboard=False)
+    # After ray.init, which installs a SIGTERM handler that only dumps the stack and dies.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # the same clean exit as Ctrl-C
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(reward_app(rule, replicas, num_cpus, max_request_bytes), name=APP_NAME, route_prefix="/")
