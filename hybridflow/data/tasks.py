@@ -17,10 +17,10 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerFast
-
-from hybridflow.data.tokenizer import build_char_tokenizer
+if TYPE_CHECKING:  # the rules below are imported by reward processes that need no transformers
+    from transformers import PreTrainedTokenizerFast
 
 # reward_fn(prompt, response, ground_truth) -> reward in [0, 1]
 RewardFn = Callable[[str, str, str], float]
@@ -85,6 +85,8 @@ class Task:
 
     def tokenizer(self) -> PreTrainedTokenizerFast:
         """A character tokenizer over ``alphabet`` (ids: <pad> 0, <eos> 1, <unk> 2, then chars)."""
+        from hybridflow.data.tokenizer import build_char_tokenizer
+
         return build_char_tokenizer(self.alphabet)
 
     def make_prompts(self, num: int, seed: int) -> list[dict[str, str]]:

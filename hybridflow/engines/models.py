@@ -34,21 +34,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from hybridflow.spec.graph import ModelSource
-
-# Overridden key by key by ModelSource.config.
-TINY_QWEN2: dict = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,  # head size 32: the smallest vLLM's CPU attention kernel takes
-    num_key_value_heads=2,
-    intermediate_size=128,
-    max_position_embeddings=128,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-6,
-    initializer_range=0.02,
-    attention_dropout=0.0,
-)
+from hybridflow.spec.graph import TINY_QWEN2, ModelSource
 
 ATTN_IMPLEMENTATION = "sdpa"
 

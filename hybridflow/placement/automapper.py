@@ -27,6 +27,7 @@ from hybridflow.graph.batching import smallest_even_batch
 from hybridflow.graph.dag import SOURCE, derive_dag
 from hybridflow.graph.library import ALGORITHMS
 from hybridflow.placement.profiles import HardwareProfile, ModelArch, arch_from_hf_config, get_profile, model_size
+from hybridflow.spec.graph import TINY_QWEN2
 from hybridflow.spec.layout import GenerationLayout
 from hybridflow.placement.simulator import (
     ModelInfo,
@@ -313,8 +314,6 @@ def _arch_of(name: str, graph, size: str | None) -> ModelArch | None:
     if source.is_pretrained:
         where = Path(source.path or source.gguf or source.package).name
         return arch_from_hf_config(_pretrained_config(name, graph), name=where)
-    from hybridflow.engines.models import TINY_QWEN2  # the one place the tiny defaults live
-
     return arch_from_hf_config({"vocab_size": TINY_VOCAB, **TINY_QWEN2, **(source.config or {})})
 
 

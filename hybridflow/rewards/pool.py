@@ -84,9 +84,13 @@ class ScorePool:
         if self._pool is None:
             from pebble import ProcessPool
 
+            context = multiprocessing.get_context("forkserver")
+            # The server's default preload is the caller's __main__: in a Ray worker, Ray's
+            # worker script, a second import of Ray for nothing. Each process imports its scorers.
+            context.set_forkserver_preload([])
             self._pool = ProcessPool(
                 max_workers=self.num_workers,
-                context=multiprocessing.get_context("forkserver"),
+                context=context,
                 initializer=_preload,
                 initargs=(self.preload,),
             )

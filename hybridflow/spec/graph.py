@@ -23,6 +23,21 @@ class Spec(BaseModel):
 
 # -- models -----------------------------------------------------------------------------------
 
+# The built-in tiny Qwen2 of a ``config`` source, overridden key by key by ModelSource.config
+# (here, not in engines/, so the auto-mapper sizes it without importing transformers).
+TINY_QWEN2: dict = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,  # head size 32: the smallest vLLM's CPU attention kernel takes
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    initializer_range=0.02,
+    attention_dropout=0.0,
+)
+
 
 class ModelSource(Spec):
     """Where a model's weights come from: exactly one of ``config``, ``path``, ``gguf``,
