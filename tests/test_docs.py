@@ -74,11 +74,11 @@ EXEMPT = {
     ),
 }
 # A documented run that is, once shrunk, the same run as another documented one (run directory
-# aside): made once, as the other.
+# aside): made once, as the other; its run directory, if it names one, is the other's.
+N4_RUN = "hybridflow run graphs/grpo.yaml trainer.iterations=20 models.actor.rollout.n=4 --run-dir runs/n4"
 SAME_RUN = {
-    r"^\.venv/bin/hybridflow run graphs/grpo\.yaml$": (
-        "hybridflow run graphs/grpo.yaml trainer.iterations=20 models.actor.rollout.n=4 --run-dir runs/n4"
-    ),
+    r"^\.venv/bin/hybridflow run graphs/grpo\.yaml$": N4_RUN,
+    r"^hybridflow run graphs/grpo\.yaml trainer\.iterations=\d+ models\.actor\.rollout\.n=4 --run-dir runs/grpo-n4$": N4_RUN,
 }
 # Where an exempt run is exercised instead, and what that file must hold for it to be so.
 COVERED_BY = {
@@ -119,11 +119,19 @@ def _has_redirect(line: str) -> bool:
     return bool(re.search(r"\s[>|]\s", line.split(" #")[0]))
 
 
+def same_run(command: str) -> str | None:
+    return next((other for pattern, other in SAME_RUN.items() if re.search(pattern, command)), None)
+
+
 def exempt_reason(command: str) -> str | None:
-    same = next((other for pattern, other in SAME_RUN.items() if re.search(pattern, command)), None)
-    if same:
-        return f"shrunk, the same run as `{same}`"
+    if same_run(command):
+        return f"shrunk, the same run as `{same_run(command)}`"
     return next((why for pattern, why in EXEMPT.items() if re.search(pattern, command)), None)
+
+
+def _run_dir(command: str) -> str | None:
+    tokens = shlex.split(command)
+    return tokens[tokens.index("--run-dir") + 1] if "--run-dir" in tokens else None
 
 
 def _shrunk_run(command: str) -> tuple:
@@ -275,6 +283,27 @@ def _check_outputs(command: str, done: subprocess.CompletedProcess, work: Path) 
         assert "'iterations': 2" in done.stdout, done.stdout[-2000:]
 
 
+def _run_command(path: Path, command: str, work: Path) -> str:
+    small = shrink(command)
+    done = subprocess.run(["bash", "-c", small], cwd=work, env=_env(work), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{path.name}: `{small}` exited {done.returncode}:\n{done.stderr[-3000:]}"
+    _check_outputs(small, done, work)
+    return small
+
+
+def _share_run_dir(path: Path, command: str, work: Path) -> None:
+    """A same-run command's run directory is the other run's, made first if no earlier file
+    made it (a file run alone)."""
+    other = same_run(command)
+    mine, theirs = _run_dir(command), _run_dir(other)
+    if mine is None or (work / mine).exists():
+        return
+    if not (work / theirs / "metrics.jsonl").is_file():
+        _run_command(path, other, work)
+    (work / mine).parent.mkdir(parents=True, exist_ok=True)
+    (work / mine).symlink_to(work / theirs)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_doc_blocks_run(path, workdir):
@@ -285,14 +314,10 @@ def test_doc_blocks_run(path, workdir):
                 reason = exempt_reason(command)
                 if reason:
                     exempt.append((command, reason))
+                    if same_run(command):
+                        _share_run_dir(path, command, workdir)
                     continue
-                small = shrink(command)
-                done = subprocess.run(
-                    ["bash", "-c", small], cwd=workdir, env=_env(workdir), capture_output=True, text=True, timeout=900
-                )
-                assert done.returncode == 0, f"{path.name}: `{small}` exited {done.returncode}:\n{done.stderr[-3000:]}"
-                _check_outputs(small, done, workdir)
-                ran.append(small)
+                ran.append(_run_command(path, command, workdir))
         elif lang == "python":
             script = workdir / f"{path.stem}-block{index}.py"
             script.write_text(re.sub(r"iterations=\d+", "iterations=2", body))
