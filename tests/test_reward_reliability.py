@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +41,15 @@ def returns_text(prompt, response, truth):
 
 def copy_or_stuck(prompt, response, truth):
     return stuck_in_c(prompt, response, truth) if response == "x" else 1.0
+
+
+def test_a_score_process_imports_its_rule_without_torch():
+    """A pool process imports only its scorer's module: the built-in rules (and the package
+    around them) load no torch, transformers or Ray, which cost ~6 s of CPU per reward rank."""
+    probe = ("import sys; from hybridflow.data.tasks import copy_reward; import hybridflow.rewards.pool; "
+             "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_score_options_have_a_default_timeout():
