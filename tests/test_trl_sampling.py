@@ -93,6 +93,27 @@ def test_hf_engine_samples_as_trl(temperature, top_k, top_p):
     assert bool((ours[K.ROLLOUT_LOG_PROBS][~mask] == 0).all())
 
 
+def test_the_hf_checks_fail_for_a_setting_trl_does_not_use():
+    """Broken on purpose: an engine that samples at temperature 0.7 with top-k 3 against TRL at
+    temperature 1 with top-k 2 fails both checks above (log-probs, and sampled tokens TRL keeps)."""
+    model = _model()
+    prompts = _prompts(PROMPTS)
+    torch.manual_seed(1)
+    ours = HFRolloutEngine(model, eos_id=EOS, pad_id=PAD).generate(
+        prompts, SamplingParams(n=N, temperature=0.7, top_k=3, top_p=1.0, max_new_tokens=MAX_NEW)
+    )
+    mask = ours[K.RESPONSE_MASK].bool()
+    assert (ours[K.ROLLOUT_LOG_PROBS] - _trl_logps(model, ours, 1.0)).abs()[mask].max() > 1e-3
+    with torch.no_grad():
+        hidden = model.model(input_ids=ours[K.INPUT_IDS], attention_mask=ours[K.ATTENTION_MASK],
+                             position_ids=ours[K.POSITION_IDS]).last_hidden_state
+        num = ours[K.RESPONSES].shape[1]
+        logits = model.lm_head(hidden[:, -num - 1 : -1])
+    allowed = trl.allowed_tokens(logits.flatten(0, 1), 1.0, 2, 1.0).view(logits.shape)
+    picked = allowed.gather(-1, ours[K.RESPONSES][..., None])[..., 0]
+    assert not bool(picked[mask].all()), "top-k 3 sampled only tokens TRL's top-k 2 keeps"
+
+
 @pytest.fixture(scope="module")
 def vllm_probe(tmp_path_factory) -> dict:
     pytest.importorskip("vllm", reason="vllm (the .[vllm] extra) is not installed")
