@@ -124,8 +124,9 @@ def same_run(command: str) -> str | None:
 
 
 def exempt_reason(command: str) -> str | None:
-    if same_run(command):
-        return f"shrunk, the same run as `{same_run(command)}`"
+    other = same_run(command)
+    if other:
+        return f"shrunk, the same run as `{other}`"
     return next((why for pattern, why in EXEMPT.items() if re.search(pattern, command)), None)
 
 
@@ -270,12 +271,12 @@ def _check_outputs(command: str, done: subprocess.CompletedProcess, work: Path) 
         # The summary table, one key per row, and nothing printed as a raw Python dict.
         shown = re.search(r"^run summary\n(?:  .*\n?)*?  iterations +(\d+)$", done.stdout, re.M)
         assert shown and "{'" not in done.stdout, done.stdout[-2000:]
-    if "--run-dir" in tokens and tokens[:2] == ["hybridflow", "run"]:
-        run_dir = work / tokens[tokens.index("--run-dir") + 1]
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert rows and all(math.isfinite(v) for row in rows for v in row.values()), run_dir
-        assert len(rows) == int(shown.group(1)), (len(rows), done.stdout[-2000:])
-        assert (run_dir / "actor" / "config.json").is_file(), "the trained actor was not saved"
+        if "--run-dir" in tokens:
+            run_dir = work / _run_dir(command)
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            assert rows and all(math.isfinite(v) for row in rows for v in row.values()), run_dir
+            assert len(rows) == int(shown.group(1)), (len(rows), done.stdout[-2000:])
+            assert (run_dir / "actor" / "config.json").is_file(), "the trained actor was not saved"
     if tokens[:2] == ["hybridflow", "plot"]:
         png = Path(tokens[tokens.index("--out") + 1]) if "--out" in tokens else Path(tokens[2]) / "plot.png"
         assert (work / png).read_bytes()[:4] == b"\x89PNG", png

@@ -59,7 +59,7 @@ def serve_on_ray(rule: str, host: str, port: int, replicas: int, num_cpus: float
                  max_request_bytes: int) -> None:
     """``hybridflow serve-reward RULE --ray-serve``: serve ``rule`` on Ray Serve (a local Ray, or
     the cluster at ``address``) until interrupted (Ctrl-C, or SIGTERM as ``kill`` and container
-    runtimes send it), then delete the application."""
+    runtimes send it), then delete the application from the cluster, or stop the local Ray."""
     import ray
 
     ray.init(address=address, include_dashboard=False)
