@@ -271,6 +271,8 @@ def _check_outputs(command: str, done: subprocess.CompletedProcess, work: Path) 
         # The summary table, one key per row, and nothing printed as a raw Python dict.
         shown = re.search(r"^run summary\n(?:  .*\n?)*?  iterations +(\d+)$", done.stdout, re.M)
         assert shown and "{'" not in done.stdout, done.stdout[-2000:]
+        # A run that finished well ends quietly: no worker's traceback on the way out.
+        assert "Traceback" not in done.stderr, done.stderr[-3000:]
         if "--run-dir" in tokens:
             run_dir = work / _run_dir(command)
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -346,6 +346,13 @@ class ModelWorker(Worker):
             path, pool, self.rank, self.extra_state, same_ranks, self.spec.trainer.seed, iteration
         )
 
+    def shutdown(self) -> None:
+        """Stop the score processes first: the actor's SIGTERM would otherwise land in their
+        finaliser and print tracebacks at the end of every run."""
+        for sources in self.rules.values():
+            sources.close()
+        super().shutdown()
+
     def _trained_engines(self) -> dict[str, TrainEngine]:
         trained = {n.model for n in self.spec.nodes if n.op == "update"}
         return {name: e for name, e in self.train_engines.items() if name in trained}
