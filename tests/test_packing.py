@@ -146,3 +146,81 @@ def test_a_model_that_ignores_packing_is_refused():
     with pytest.raises(ValueError, match="does not keep packed sequences apart.*remove_padding: false"):
         TorchTrainEngine(_IgnoresPositions(model), TrainEngineSpec())
     TorchTrainEngine(_IgnoresPositions(model), TrainEngineSpec(remove_padding=False))  # padded: fine
+
+
+def _head_inputs(engine: TorchTrainEngine) -> list[torch.Size]:
+    """The shapes of what reaches the LM head, recorded on every call."""
+    shapes: list[torch.Size] = []
+    engine.module.get_output_embeddings().register_forward_hook(lambda m, args, out: shapes.append(args[0].shape))
+    return shapes
+
+
+def test_a_large_vocabulary_gathers_the_tail_before_the_head():
+    """From GATHER_BEFORE_HEAD_VOCAB on, only the response tail's hidden states reach the LM
+    head; the log-probs and one step's gradients equal the padded engine's as before."""
+    from hybridflow.engines.torch_engine import GATHER_BEFORE_HEAD_VOCAB
+
+    batch = _batch()
+    engines = [
+        TorchTrainEngine(
+            build_causal_lm(TINY, GATHER_BEFORE_HEAD_VOCAB, PAD, EOS, seed=2),
+            TrainEngineSpec(remove_padding=packed, micro_batch_size=5, optim=OptimSpec(grad_clip=None)),
+        )
+        for packed in (False, True)
+    ]
+    padded, packed = engines
+    shapes = _head_inputs(packed)
+    a, b = padded.forward(batch, temperature=0.8), packed.forward(batch, temperature=0.8)
+    tail = batch[K.RESPONSES].shape[1] + 1
+    assert shapes and all(s[1:] == (tail, packed.module.config.hidden_size) for s in shapes), shapes
+    assert (a["log_probs"] - b["log_probs"]).abs().max().item() < 1e-5
+    for engine in engines:
+        engine.optimizer = torch.optim.SGD(engine.module.parameters(), lr=1.0)
+    start = [p.detach().clone() for p in packed.module.parameters()]
+    for engine in engines:
+        engine.train_step(batch, _loss("log_probs"))
+    grad_diff = max((p - q).abs().max().item() for p, q in zip(padded.module.parameters(), packed.module.parameters()))
+    grad_max = max((p - q).abs().max().item() for p, q in zip(packed.module.parameters(), start))
+    assert grad_diff < 1e-5 * max(1.0, grad_max) and grad_max > 1e-3, (grad_diff, grad_max)
+
+
+def test_a_small_vocabulary_projects_every_packed_position():
+    """Below the threshold the head takes the packed rows whole (the earlier, bit-stable path)."""
+    _, packed = _engines("policy", micro_batch_size=5)
+    shapes = _head_inputs(packed)
+    packed.forward(_batch())
+    assert shapes and all(len(s) == 3 and s[1] == _batch()[K.INPUT_IDS].shape[1] for s in shapes), shapes
+
+
+@pytest.mark.parametrize("remove_padding", [False, True])
+def test_bfloat16_compute_keeps_float32_state(remove_padding):
+    """compute_dtype bfloat16: products run in bfloat16 (autocast), parameters, gradients and
+    AdamW state stay float32, and the log-probs stay near the float32 engine's."""
+    batch = _batch()
+    engines = [
+        TorchTrainEngine(
+            build_causal_lm(TINY, VOCAB, PAD, EOS, seed=2),
+            TrainEngineSpec(remove_padding=remove_padding, micro_batch_size=5, compute_dtype=dtype),
+        )
+        for dtype in ("float32", "bfloat16")
+    ]
+    full, mixed = engines
+    seen: list[torch.dtype] = []
+    mixed.module.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    a, b = full.forward(batch), mixed.forward(batch)
+    assert seen and set(seen) == {torch.bfloat16}
+    assert b["log_probs"].dtype == torch.float32
+    diff = (a["log_probs"] - b["log_probs"]).abs().max().item()
+    assert 0 < diff < 0.1, diff  # bfloat16 rounding, not another model
+    start = [p.detach().clone() for p in mixed.module.parameters()]
+    metrics = mixed.train_step(batch, _loss("log_probs"))
+    assert metrics["skipped_step"] == 0.0 and torch.isfinite(torch.tensor(metrics["loss"]))
+    assert all(p.dtype == torch.float32 for p in mixed.module.parameters())
+    states = [s for s in mixed.optimizer.state.values()]
+    assert states and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.float32 for s in states)
+    assert max((p - q).abs().max().item() for p, q in zip(mixed.module.parameters(), start)) > 0
+
+
+def test_bfloat16_compute_is_refused_for_megatron():
+    with pytest.raises(ValueError, match="compute_dtype 'bfloat16' is for train.engine 'torch'"):
+        TrainEngineSpec(engine="megatron", compute_dtype="bfloat16")
