@@ -108,7 +108,7 @@ def remax(
            inputs=["responses", "old_log_probs", "ref_log_probs", "advantages"], outputs=[],
            clip_ratio=0.2, kl_coef=kl_coef, kl_estimator="k3", mini_batches=2)
     _copy_data(g, prompts_per_iteration)
-    g.trainer(iterations=150, seed=0, val_interval=50)
+    g.trainer(iterations=100, seed=0, val_interval=50)
     return g
 
 
@@ -140,7 +140,7 @@ def ppo(
            inputs=["responses", "old_log_probs", "advantages"], outputs=[],
            clip_ratio=0.2, mini_batches=2)
     _copy_data(g, 32)
-    g.trainer(iterations=200, seed=0, val_interval=50)
+    g.trainer(iterations=150, seed=0, val_interval=50)
     return g
 
 
@@ -179,7 +179,7 @@ def safe_rlhf(
            clip_ratio=0.2, mini_batches=2,
            safety={"cost_threshold": cost_threshold, "lambda_init": 0.0, "lambda_lr": 0.5})
     _copy_data(g, 32)
-    g.trainer(iterations=200, seed=0, val_interval=50)
+    g.trainer(iterations=150, seed=0, val_interval=50)
     return g
 
 
