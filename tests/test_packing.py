@@ -216,7 +216,7 @@ def test_bfloat16_compute_keeps_float32_state(remove_padding):
     metrics = mixed.train_step(batch, _loss("log_probs"))
     assert metrics["skipped_step"] == 0.0 and torch.isfinite(torch.tensor(metrics["loss"]))
     assert all(p.dtype == torch.float32 for p in mixed.module.parameters())
-    states = [s for s in mixed.optimizer.state.values()]
+    states = list(mixed.optimizer.state.values())
     assert states and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.float32 for s in states)
     assert max((p - q).abs().max().item() for p, q in zip(mixed.module.parameters(), start)) > 0
 
