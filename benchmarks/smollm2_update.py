@@ -1,4 +1,4 @@
-"""One torch-engine train step on SmolLM2-135M-Instruct, three ways, side by side in one process.
+"""One torch-engine train step on SmolLM2-135M-Instruct, four ways, side by side in one process.
 
 The batch has the shape of ``graphs/grpo_smollm2.yaml``'s update (32 samples, prompts of 60-79
 tokens, responses of 15-32, micro-batches of 8), with random tokens: the time does not depend
@@ -75,9 +75,8 @@ def main() -> None:
           f"{args.threads} threads; min (median) of {args.repeats} after one warm-up\n")
     print("| engine path | train step s | no-grad forward s |")
     print("| --- | --- | --- |")
-    default_threshold = torch_engine.GATHER_BEFORE_HEAD_VOCAB
     for name, spec, threshold in rows:
-        torch_engine.GATHER_BEFORE_HEAD_VOCAB = threshold
+        torch_engine.GATHER_BEFORE_HEAD_VOCAB = threshold  # which packed path the engine takes
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
         engine = TorchTrainEngine(
             model, TrainEngineSpec(micro_batch_size=8, optim=OptimSpec(lr=3e-5, grad_clip=1.0), **spec),
@@ -96,7 +95,6 @@ def main() -> None:
         mid = args.repeats // 2
         print(f"| {name} | {steps[0]:.1f} ({steps[mid]:.1f}) | {forwards[0]:.1f} ({forwards[mid]:.1f}) |", flush=True)
         del engine, model
-    torch_engine.GATHER_BEFORE_HEAD_VOCAB = default_threshold
 
 
 if __name__ == "__main__":
