@@ -11,7 +11,7 @@ from hybridflow.data import keys as K
 from hybridflow.engines.base import SamplingParams
 from hybridflow.engines.hf_rollout import HFRolloutEngine
 from hybridflow.engines.models import build_causal_lm, build_value_model
-from hybridflow.engines.packing import pack
+from hybridflow.engines.packing import pack, pack_shared_prompts
 from hybridflow.engines.torch_engine import TorchTrainEngine, check_packing
 from hybridflow.spec.graph import ModelSource, OptimSpec, TrainEngineSpec
 
@@ -40,6 +40,25 @@ def test_pack_rejects_an_empty_sample():
     ids = torch.tensor([[0, 0], [3, 4]])
     with pytest.raises(ValueError, match="at least one valid token"):
         pack(ids, (ids != 0).long(), torch.zeros_like(ids), 1)
+
+
+def test_pack_shared_prompts_lays_each_prompt_once():
+    # Samples 0 and 2 share the prompt [5, 6] (left-padded); sample 1 has its own, [4, 5, 6].
+    ids = torch.tensor([[0, 5, 6, 7, 8], [4, 5, 6, 9, 0], [0, 5, 6, 3, 0]])
+    mask = (ids != 0).long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    shared = pack_shared_prompts(ids, mask, positions, num_tail=3, prompt_width=3)
+    assert shared.num_groups == 2
+    # prompt [5, 6], sample 0's [7, 8], prompt [4, 5, 6], sample 1's [9], sample 2's [3]
+    assert shared.input_ids.tolist() == [[5, 6, 7, 8, 4, 5, 6, 9, 3]]
+    assert shared.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 2]]
+    allowed = shared.attention_mask[0, 0]
+    assert allowed[8].nonzero()[:, 0].tolist() == [0, 1, 8]  # its prompt and itself, not sample 0
+    assert allowed[3].nonzero()[:, 0].tolist() == [0, 1, 2, 3]
+    assert allowed[7].nonzero()[:, 0].tolist() == [4, 5, 6, 7]
+    # Tail columns: the last prompt token (shared), then the responses (padding: last token).
+    assert shared.input_ids[0][shared.index].tolist() == [[6, 7, 8], [6, 9, 9], [6, 3, 3]]
+    assert shared.index[0, 0] == shared.index[2, 0] == 1  # one position serves both samples
 
 
 def _batch() -> TensorDict:
@@ -224,3 +243,76 @@ def test_bfloat16_compute_keeps_float32_state(remove_padding):
 def test_bfloat16_compute_is_refused_for_megatron():
     with pytest.raises(ValueError, match="compute_dtype 'bfloat16' is for train.engine 'torch'"):
         TrainEngineSpec(engine="megatron", compute_dtype="bfloat16")
+
+
+def _shared_engines(kind: str, vocab: int, micro_batch_size: int):
+    build = build_causal_lm if kind == "policy" else build_value_model
+    return [
+        TorchTrainEngine(
+            build(TINY, vocab, PAD, EOS, seed=2),
+            TrainEngineSpec(
+                remove_padding=False, share_prompts=share, micro_batch_size=micro_batch_size,
+                optim=OptimSpec(grad_clip=None),
+            ),
+            kind=kind,
+        )
+        for share in (False, True)
+    ]
+
+
+@pytest.mark.parametrize(
+    "kind, key, vocab, micro_batch_size",
+    [
+        ("policy", "log_probs", VOCAB, 6),  # two whole groups of 3 per micro-batch
+        ("policy", "log_probs", VOCAB, 5),  # groups split across micro-batches
+        ("policy", "log_probs", 1024, 6),  # with the tail gathered before the LM head
+        ("value", K.VALUES, VOCAB, 6),
+    ],
+)
+def test_shared_prompts_forward_and_step_equal_padded(kind, key, vocab, micro_batch_size):
+    """Each prompt once per micro-batch: outputs and one SGD step's gradients equal the padded
+    engine's within float rounding, and the model sees fewer tokens than packing gives it."""
+    batch = _batch()
+    padded, shared = _shared_engines(kind, vocab, micro_batch_size)
+    seen: list[int] = []
+    shared.module.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["input_ids"].numel()), with_kwargs=True)
+    a, b = padded.forward(batch, temperature=0.8), shared.forward(batch, temperature=0.8)
+    for name in a:
+        assert (a[name] - b[name]).abs().max().item() < 1e-5, name
+    response_tokens = int(batch[K.RESPONSE_MASK].sum())
+    prompt_tokens = int(batch[K.PROMPT_MASK].sum())
+    assert response_tokens < sum(seen) < response_tokens + prompt_tokens, seen  # prompts shared
+    for engine in (padded, shared):
+        engine.optimizer = torch.optim.SGD(engine.module.parameters(), lr=1.0)
+    start = [p.detach().clone() for p in shared.module.parameters()]
+    loss_a = padded.train_step(batch, _loss(key))["loss"]
+    loss_b = shared.train_step(batch, _loss(key))["loss"]
+    assert abs(loss_a - loss_b) < 1e-5
+    grad_diff = max((p - q).abs().max().item() for p, q in zip(padded.module.parameters(), shared.module.parameters()))
+    grad_max = max((p - q).abs().max().item() for p, q in zip(shared.module.parameters(), start))
+    assert grad_diff < 1e-5 * max(1.0, grad_max) and grad_max > 1e-3, (grad_diff, grad_max)
+
+
+class _Ignores4DMask(torch.nn.Module):
+    """A model that drops a 4D attention mask: shared-prompt samples would see each other."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = None
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+def test_a_model_that_ignores_a_4d_mask_is_refused_for_shared_prompts():
+    model = build_causal_lm(TINY, VOCAB, PAD, EOS, seed=2)
+    with pytest.raises(ValueError, match="train.share_prompts: .* set share_prompts: false"):
+        TorchTrainEngine(_Ignores4DMask(model), TrainEngineSpec(share_prompts=True))
+    TorchTrainEngine(_Ignores4DMask(model), TrainEngineSpec())  # plain packing: fine
+
+
+def test_share_prompts_is_refused_for_megatron():
+    with pytest.raises(ValueError, match="share_prompts is for train.engine 'torch'"):
+        TrainEngineSpec(engine="megatron", share_prompts=True)

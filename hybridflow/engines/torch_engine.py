@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hybridflow.algos import count_sequences, entropy_from_logits, log_probs_from_logits
 from hybridflow.data import keys as K
 from hybridflow.engines.base import LossFn, ModelKind, TrainEngine
-from hybridflow.engines.packing import pack
+from hybridflow.engines.packing import pack, pack_shared_prompts
 from hybridflow.engines.schedule import lr_factor
 from hybridflow.spec.graph import TrainEngineSpec
 
@@ -40,49 +40,73 @@ _DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # seeded runs stay bit-for-bit as before.
 GATHER_BEFORE_HEAD_VOCAB = 1024
 
-# (model class, config) pairs whose forward passed the probe: the actor, the reference and a
-# critic of one architecture are probed once per process.
-_PACKING_CHECKED: set[tuple[type, str]] = set()
+# (model class, config, shared prompts) whose forward passed the probe: the actor, the
+# reference and a critic of one architecture are probed once per process.
+_PACKING_CHECKED: set[tuple[type, str, bool]] = set()
 
 
 @torch.no_grad()
-def check_packing(model: nn.Module) -> None:
+def check_packing(model: nn.Module, shared_prompts: bool = False) -> None:
     """Refuse a model whose forward does not keep packed sequences apart.
 
     Packing relies on the model building its attention mask from restarting position ids (as
-    transformers' own architectures do when no mask is passed). A model that ignores them would
-    let samples attend to each other without any error, so two short probe sequences go through
-    the model padded and packed, and their outputs must agree. The answer depends on the
-    architecture only, so it is kept per model class and config.
+    transformers' own architectures do when no mask is passed); shared prompts on it taking a
+    4D attention mask as given. A model that does neither would let samples attend to each
+    other without any error, so a probe batch goes through the model padded and packed, and the
+    outputs must agree: two samples of lengths 3 and 5 in a width of 8, or, for shared prompts,
+    two samples with one 3-token prompt and responses of 2 and 4 tokens. The answer depends on
+    the architecture only, so it is kept per model class and config.
     """
-    key = (type(model), repr(getattr(model, "config", None)))
+    key = (type(model), repr(getattr(model, "config", None)), shared_prompts)
     if key in _PACKING_CHECKED:
         return
     device = next(model.parameters()).device
     vocab = getattr(model.config, "vocab_size", 2)
-    # Lengths 3 and 5 in a width of 8: packed, both share one row.
     ids = (torch.arange(16, device=device).reshape(2, 8) * 7 + 3) % vocab
-    mask = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1, 1]], device=device)
+    if shared_prompts:
+        ids[1, :4] = ids[0, :4]  # one prompt (columns 1-3) for both samples
+        mask = torch.tensor([[0, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1]], device=device)
+    else:
+        mask = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1, 1]], device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    num_tail = 5 if shared_prompts else 3  # the last prompt column and the responses
     was_training = model.training
     model.eval()
     try:
         padded = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-        packed = pack(ids.cpu(), mask.cpu(), positions.cpu(), num_tail=3)
+        if shared_prompts:
+            packed = pack_shared_prompts(ids.cpu(), mask.cpu(), positions.cpu(), num_tail, prompt_width=4)
+            extra = {"attention_mask": attention_mask_for(model, packed.attention_mask.to(device))}
+        else:
+            packed = pack(ids.cpu(), mask.cpu(), positions.cpu(), num_tail=num_tail)
+            extra = {}
         out = model(
             input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device),
-            use_cache=False,
+            use_cache=False, **extra,
         ).logits
     finally:
         model.train(was_training)
-    diff = (out.flatten(0, 1)[packed.index.to(device)] - padded[:, -3:]).abs().max().item()
+    diff = out.flatten(0, 1)[packed.index.to(device)] - padded[:, -num_tail:]
+    diff = diff[mask[:, -num_tail:].bool()].abs().max().item()  # padding columns differ freely
     tolerance = 1e-3 if padded.dtype == torch.float32 else 5e-2
     if not diff <= tolerance:
+        field = "share_prompts" if shared_prompts else "remove_padding"
         raise ValueError(
-            f"train.remove_padding: {type(model).__name__} does not keep packed sequences apart "
-            f"(packed vs padded outputs differ by {diff:.2g}); set remove_padding: false for it"
+            f"train.{field}: {type(model).__name__} does not keep packed sequences apart "
+            f"(packed vs padded outputs differ by {diff:.2g}); set {field}: false for it"
         )
     _PACKING_CHECKED.add(key)
+
+
+def attention_mask_for(model: nn.Module, allowed: torch.Tensor) -> torch.Tensor:
+    """A (1, 1, L, L) may-attend mask in the form the model's attention reads: SDPA takes it as
+    booleans, eager attention adds it to the scores."""
+    if getattr(model.config, "_attn_implementation", "sdpa") != "eager":
+        return allowed
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
 
 
 class TorchTrainEngine(TrainEngine):
@@ -120,7 +144,9 @@ class TorchTrainEngine(TrainEngine):
         self.kind: ModelKind = kind
         self.module = model
         self.home = next(model.parameters()).device  # where reload() brings the state back
-        if spec.remove_padding:
+        if spec.share_prompts:
+            check_packing(model, shared_prompts=True)
+        elif spec.remove_padding:
             check_packing(model)
         self.process_group = process_group
         distributed = dist.is_available() and dist.is_initialized()
@@ -196,7 +222,7 @@ class TorchTrainEngine(TrainEngine):
             return self._tail_outputs_at_dtype(module, mb, num_tail)
 
     def _tail_outputs_at_dtype(self, module: nn.Module, mb: TensorDict, num_tail: int) -> torch.Tensor:
-        if not self.spec.remove_padding:
+        if not (self.spec.remove_padding or self.spec.share_prompts):
             # A causal LM runs only the last positions through its head.
             keep = {"logits_to_keep": num_tail} if self.kind == "policy" else {}
             return module(
@@ -206,11 +232,19 @@ class TorchTrainEngine(TrainEngine):
                 use_cache=False,
                 **keep,
             ).logits[:, -num_tail:]
-        packed = pack(mb[K.INPUT_IDS], mb[K.ATTENTION_MASK], mb[K.POSITION_IDS], num_tail)
+        if self.spec.share_prompts:
+            prompt_width = mb[K.INPUT_IDS].shape[1] - mb[K.RESPONSES].shape[1]
+            packed = pack_shared_prompts(
+                mb[K.INPUT_IDS], mb[K.ATTENTION_MASK], mb[K.POSITION_IDS], num_tail, prompt_width
+            )
+            extra = {"attention_mask": attention_mask_for(self.module, packed.attention_mask)}
+        else:
+            packed = pack(mb[K.INPUT_IDS], mb[K.ATTENTION_MASK], mb[K.POSITION_IDS], num_tail)
+            extra = {}
         head = self.module.get_output_embeddings() if self.kind == "policy" else None
         if head is None or head.weight.shape[0] < GATHER_BEFORE_HEAD_VOCAB:
             out = module(
-                input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
+                input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, **extra
             ).logits
             return out.flatten(0, 1)[packed.index]
         # Only the tail's hidden states go through the LM head: a packed row's prompt positions
@@ -222,7 +256,7 @@ class TorchTrainEngine(TrainEngine):
         hook = head.register_forward_pre_hook(gather_tail)
         try:
             return module(
-                input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
+                input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, **extra
             ).logits
         finally:
             hook.remove()

@@ -178,6 +178,16 @@ class TrainEngineSpec(Spec):
         "(block-diagonal attention from restarting position ids); false = padded forward. The "
         "megatron engine always runs padded.",
     )
+    share_prompts: bool = Field(
+        False,
+        description="Torch engine: each distinct prompt of a micro-batch goes through the model "
+        "once and its samples' responses attend to it (one packed row, a 4D attention mask), "
+        "instead of once per sample. Outputs equal the padded forward's up to float rounding. "
+        "With n samples per prompt and prompts longer than responses this removes most of a "
+        "forward's tokens; keep micro_batch_size a multiple of rollout.n so a prompt's samples "
+        "share a micro-batch. Takes the place of remove_padding. The attention mask is dense "
+        "(tokens^2 of a micro-batch): meant for micro-batches of a few thousand tokens.",
+    )
     optim: OptimSpec = Field(default_factory=OptimSpec, description="Used by update nodes.")
 
     @model_validator(mode="after")
@@ -187,6 +197,8 @@ class TrainEngineSpec(Spec):
                 f"compute_dtype {self.compute_dtype!r} is for train.engine 'torch'; the megatron "
                 "engine computes in its `dtype`"
             )
+        if self.share_prompts and self.engine != "torch":
+            raise ValueError("share_prompts is for train.engine 'torch'")
         return self
 
 
