@@ -54,9 +54,9 @@ def test_two_iterations_of_the_shipped_graph_then_eval(tmp_path, monkeypatch, ca
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2]
     assert all(0.0 <= r["reward/mean"] <= 1.0 and r["reward/num_errors"] == 0 for r in rows)
-    # vLLM (float32) vs the torch engine, whose bfloat16 compute rounds the logits
-    diffs = [r["actor/rollout_log_prob_diff_mean"] for r in rows]
-    assert all(0 < diff < 0.1 for diff in diffs), diffs
+    # vLLM vs the torch engine (shared prompts), both float32: the same model, float rounding
+    diffs = [r["actor/rollout_log_prob_diff_max"] for r in rows]
+    assert all(0 <= diff < 1e-3 for diff in diffs), diffs
     sample = json.loads((run_dir / "samples.jsonl").read_text().splitlines()[0])
     assert sample["prompt"].startswith("<|im_start|>system\n") and sample["prompt"].endswith("<|im_start|>assistant\n")
     assert (run_dir / "actor" / "config.json").is_file()
