@@ -102,6 +102,21 @@ def _loss(key: str):
     return loss_fn
 
 
+def _assert_one_sgd_step_equal(reference: TorchTrainEngine, other: TorchTrainEngine, batch, key: str) -> None:
+    """One plain SGD step of lr 1 moves each weight by exactly minus its gradient: equal losses
+    and weights after it mean equal gradients (and the step moved something)."""
+    for engine in (reference, other):
+        engine.optimizer = torch.optim.SGD(engine.module.parameters(), lr=1.0)
+    start = [p.detach().clone() for p in other.module.parameters()]
+    loss_a = reference.train_step(batch, _loss(key))["loss"]
+    loss_b = other.train_step(batch, _loss(key))["loss"]
+    assert abs(loss_a - loss_b) < 1e-5
+    pairs = zip(reference.module.parameters(), other.module.parameters())
+    grad_diff = max((p - q).abs().max().item() for p, q in pairs)
+    grad_max = max((p - q).abs().max().item() for p, q in zip(other.module.parameters(), start))
+    assert grad_diff < 1e-5 * max(1.0, grad_max) and grad_max > 1e-3, (grad_diff, grad_max)
+
+
 @pytest.mark.parametrize("kind, key", [("policy", "log_probs"), ("value", K.VALUES)])
 def test_packed_forward_and_step_equal_padded(kind, key):
     batch = _batch()
@@ -112,19 +127,7 @@ def test_packed_forward_and_step_equal_padded(kind, key):
         assert (a[name] - b[name]).abs().max().item() < 1e-5, name
     mask = batch[K.RESPONSE_MASK].bool()
     assert bool((b[key][~mask] == 0).all())
-    # One plain SGD step of lr 1 moves each weight by exactly minus its gradient.
-    for engine in (padded, packed):
-        engine.optimizer = torch.optim.SGD(engine.module.parameters(), lr=1.0)
-    start = [p.detach().clone() for p in packed.module.parameters()]
-    loss_a = padded.train_step(batch, _loss(key))["loss"]
-    loss_b = packed.train_step(batch, _loss(key))["loss"]
-    assert abs(loss_a - loss_b) < 1e-5
-    grad_diff = max(
-        (p - q).abs().max().item()
-        for p, q in zip(padded.module.parameters(), packed.module.parameters())
-    )
-    grad_max = max((p - q).abs().max().item() for p, q in zip(packed.module.parameters(), start))
-    assert grad_diff < 1e-5 * max(1.0, grad_max) and grad_max > 1e-3, (grad_diff, grad_max)
+    _assert_one_sgd_step_equal(padded, packed, batch, key)
 
 
 def test_without_the_packed_mask_samples_would_leak():
@@ -193,14 +196,7 @@ def test_a_large_vocabulary_gathers_the_tail_before_the_head():
     tail = batch[K.RESPONSES].shape[1] + 1
     assert shapes and all(s[1:] == (tail, packed.module.config.hidden_size) for s in shapes), shapes
     assert (a["log_probs"] - b["log_probs"]).abs().max().item() < 1e-5
-    for engine in engines:
-        engine.optimizer = torch.optim.SGD(engine.module.parameters(), lr=1.0)
-    start = [p.detach().clone() for p in packed.module.parameters()]
-    for engine in engines:
-        engine.train_step(batch, _loss("log_probs"))
-    grad_diff = max((p - q).abs().max().item() for p, q in zip(padded.module.parameters(), packed.module.parameters()))
-    grad_max = max((p - q).abs().max().item() for p, q in zip(packed.module.parameters(), start))
-    assert grad_diff < 1e-5 * max(1.0, grad_max) and grad_max > 1e-3, (grad_diff, grad_max)
+    _assert_one_sgd_step_equal(padded, packed, batch, "log_probs")
 
 
 def test_a_small_vocabulary_projects_every_packed_position():
@@ -282,15 +278,7 @@ def test_shared_prompts_forward_and_step_equal_padded(kind, key, vocab, micro_ba
     response_tokens = int(batch[K.RESPONSE_MASK].sum())
     prompt_tokens = int(batch[K.PROMPT_MASK].sum())
     assert response_tokens < sum(seen) < response_tokens + prompt_tokens, seen  # prompts shared
-    for engine in (padded, shared):
-        engine.optimizer = torch.optim.SGD(engine.module.parameters(), lr=1.0)
-    start = [p.detach().clone() for p in shared.module.parameters()]
-    loss_a = padded.train_step(batch, _loss(key))["loss"]
-    loss_b = shared.train_step(batch, _loss(key))["loss"]
-    assert abs(loss_a - loss_b) < 1e-5
-    grad_diff = max((p - q).abs().max().item() for p, q in zip(padded.module.parameters(), shared.module.parameters()))
-    grad_max = max((p - q).abs().max().item() for p, q in zip(shared.module.parameters(), start))
-    assert grad_diff < 1e-5 * max(1.0, grad_max) and grad_max > 1e-3, (grad_diff, grad_max)
+    _assert_one_sgd_step_equal(padded, shared, batch, key)
 
 
 class _Ignores4DMask(torch.nn.Module):
