@@ -304,3 +304,14 @@ def test_a_model_that_ignores_a_4d_mask_is_refused_for_shared_prompts():
 def test_share_prompts_is_refused_for_megatron():
     with pytest.raises(ValueError, match="share_prompts is for train.engine 'torch'"):
         TrainEngineSpec(engine="megatron", share_prompts=True)
+
+
+def test_shared_prompts_under_eager_attention_equal_padded():
+    """Eager attention adds the mask to its scores: the engine hands it an additive mask."""
+    batch = _batch()
+    padded, shared = _shared_engines("policy", VOCAB, 6)
+    for engine in (padded, shared):
+        engine.module.set_attn_implementation("eager")
+    assert shared.module.config._attn_implementation == "eager"
+    a, b = padded.forward(batch), shared.forward(batch)
+    assert (a["log_probs"] - b["log_probs"]).abs().max().item() < 1e-5
