@@ -204,6 +204,16 @@ def test_validate_applies_overrides_to_every_file(capsys):
     assert "no graph file" in capsys.readouterr().err
 
 
+def test_an_override_changes_one_alias_of_a_yaml_anchor_only():
+    """grpo.yaml's actor and ref both name the &tiny source; overriding the ref's leaves the
+    actor's as written (deepcopy kept the YAML's sharing, so both changed)."""
+    from hybridflow.spec.loading import load_graph_spec
+
+    spec = load_graph_spec("graphs/grpo.yaml", ["models.ref.source.config.hidden_size=32"])
+    assert spec.models["ref"].source.config["hidden_size"] == 32
+    assert spec.models["actor"].source.config["hidden_size"] == 64
+
+
 def test_validate_command_with_override_exits_0():
     done = _cli("validate", "graphs/grpo.yaml", "models.actor.rollout.engine=vllm")
     assert done.returncode == 0, done.stderr

@@ -57,13 +57,24 @@ def _step(container: Any, part: str, path: str, create: bool) -> Any:
     raise KeyError(path)
 
 
+def _unshared(raw: Any) -> Any:
+    """A copy of parsed YAML in which no two places share an object. A YAML alias (``source:
+    *tiny``) loads as the anchor's own dict, and ``copy.deepcopy`` keeps such sharing: an
+    override of one model's source would change every model that names the anchor."""
+    if isinstance(raw, dict):
+        return {key: _unshared(value) for key, value in raw.items()}
+    if isinstance(raw, list):
+        return [_unshared(value) for value in raw]
+    return copy.deepcopy(raw)
+
+
 def apply_overrides(raw: dict, overrides: list[str], file: str | Path) -> dict:
     """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a copy of ``raw``.
 
     List items can be named by index or, for ``nodes``, by node name:
     ``nodes.update.options.kl_coef=0.01``.
     """
-    raw = copy.deepcopy(raw)
+    raw = _unshared(raw)
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
