@@ -7,7 +7,8 @@ The actor is the graph's base actor (its ``source``), or ``--actor DIR``: a save
 ``actor/`` directory a run writes, or any HF directory), a run directory (its ``actor/``, or
 its newest checkpoint when it has none), or a checkpoint directory
 (``RUN_DIR/checkpoints/iter_N``: the trained actor's weights, saved by either train engine under
-any layout, on top of the graph's actor).
+any layout, on top of the graph's actor). A LoRA actor (saved adapters, or a checkpoint of a
+graph with ``train.lora``) is merged into the graph's actor source first.
 The prompts are the validation split of the graph's data (the built-in task's test prompts, or
 every row of ``data.val_files``; ``data.val_files=FILE`` as an override scores any file), in
 the graph's chat rendering. Each prompt gets one greedy response and ``--samples`` sampled ones
@@ -38,6 +39,8 @@ import tempfile
 from pathlib import Path
 
 THRESHOLD = 1.0
+# A saved actor: an HF model directory, or a LoRA actor's adapters (peft's files).
+SAVED_ACTOR_FILES = ("config.json", "adapter_config.json")
 
 
 def add_parser(sub) -> None:
@@ -69,9 +72,9 @@ def _actor_weights(actor: str, model: str) -> tuple[Path | None, Path | None]:
     from hybridflow.workers.checkpointing import MODELS
 
     path = Path(actor)
-    if (path / "actor" / "config.json").is_file():  # a run directory
+    if any((path / "actor" / name).is_file() for name in SAVED_ACTOR_FILES):  # a run directory
         path = path / "actor"
-    if (path / "config.json").is_file():
+    if any((path / name).is_file() for name in SAVED_ACTOR_FILES):
         return path, None
     checkpoint = latest_intact_checkpoint(path) if (path / "checkpoints").is_dir() else path
     if checkpoint is None or not (checkpoint / META).is_file():
@@ -154,16 +157,19 @@ def evaluate(
         raise SpecError(graph.file, exc.field, str(exc)) from None
 
     torch.set_num_threads(os.cpu_count() or 1)
-    source, checkpoint = actor_spec.source, None
+    source, checkpoint, adapters = actor_spec.source, None, None
     if actor is not None:
         directory, checkpoint = _actor_weights(actor, actor_name)
-        if directory is not None:
+        if directory is not None and (directory / "adapter_config.json").is_file():
+            adapters = directory  # merged into the graph's actor source
+        elif directory is not None:
             source = source.model_copy(update={"config": None, "path": str(directory), "gguf": None, "package": None})
     rollout = actor_spec.rollout
     engine = engine or (rollout.engine if rollout is not None else "hf")
     temperature = rollout.temperature if rollout else 1.0
     trained = None if checkpoint is None else (checkpoint, actor_name)
-    generate = _generator(engine, source, tokenizer, spec, temperature, trained)
+    generate = _generator(engine, source, tokenizer, spec, temperature, trained, adapters,
+                          actor_spec.train.lora)
 
     from hybridflow.engines.base import SamplingParams
 
@@ -227,11 +233,13 @@ def _score(scorer, batch, tokenizer, options, row_fields):
     return result.scores, texts
 
 
-def _generator(engine: str, source, tokenizer, spec, temperature: float, trained: tuple[Path, str] | None = None):
+def _generator(engine: str, source, tokenizer, spec, temperature: float, trained: tuple[Path, str] | None = None,
+               adapters: Path | None = None, lora=None):
     """``generate(prompts, params) -> batch`` on one in-process rollout engine, with a progress
     bar; ``temperature``: the sampled calls' (vLLM fixes its log-prob mode for it at start);
     ``trained``: (checkpoint, model) whose weights are loaded over the source's, whichever engine
-    and layout saved them."""
+    and layout saved them; ``adapters``: a saved LoRA actor's directory. LoRA adapters (saved, or
+    a checkpoint's under the graph's ``lora``) are merged into the base before generating."""
     from hybridflow.engines.models import build_causal_lm, model_dir
     from hybridflow.workers.checkpointing import read_hf_weights
 
@@ -239,14 +247,28 @@ def _generator(engine: str, source, tokenizer, spec, temperature: float, trained
 
     def build():
         module = build_causal_lm(source, len(tokenizer), pad_id, eos_id, seed=spec.trainer.seed)
+        if adapters is not None:
+            from peft import PeftModel
+
+            return PeftModel.from_pretrained(module, str(adapters)).merge_and_unload()
         if trained is not None:
-            module.load_state_dict(read_hf_weights(*trained, module.config))
+            weights = read_hf_weights(*trained, module.config)
+            if lora is None:
+                module.load_state_dict(weights)
+                return module
+            from hybridflow.engines.lora import add_lora
+
+            peft = add_lora(module, lora)  # the checkpoint holds the adapters only
+            unexpected = module.load_state_dict(weights, strict=False).unexpected_keys
+            if unexpected:
+                raise ValueError(f"{trained[0]}: not adapters of the graph's lora: {unexpected[:3]}")
+            return peft.merge_and_unload()
         return module
 
     if engine == "vllm":
         from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, save_for_vllm
 
-        directory = model_dir(source) if trained is None else None
+        directory = model_dir(source) if trained is None and adapters is None else None
         scratch = None
         if directory is None:  # config-built or checkpoint weights: written for vLLM to start from
             module = build()

@@ -117,6 +117,20 @@ class TrainEngine(abc.ABC):
     def save_hf(self, path: str) -> None:
         """Write the full model in HF format (called on every rank; rank 0 writes)."""
 
+    def adapter_config(self) -> dict[str, Any] | None:
+        """peft's ``adapter_config.json`` content when the engine trains LoRA adapters
+        (``train.lora``), else None: the rollout engine then syncs full weights."""
+        return None
+
+    def adapter_weights(self) -> dict[str, torch.Tensor] | None:
+        """The LoRA adapters in peft's saved form (names as in ``adapter_model.safetensors``),
+        or None without adapters."""
+        return None
+
+    def adapters_disabled(self):
+        """A context in which forwards compute as the base model (LoRA engines only)."""
+        raise ValueError(f"{type(self).__name__} trains no LoRA adapters")
+
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """The model, optimizer and schedule state for ``torch.distributed.checkpoint``,
@@ -161,12 +175,15 @@ class RolloutEngine(abc.ABC):
         max_num_seqs: int,
         seed: int,
         temperature: float = 1.0,
+        adapter_config: dict[str, Any] | None = None,
     ) -> "RolloutEngine":
         """The rollout engine of an actor whose train engine holds ``module`` (the full HF
         model, in this process): it may generate from the module itself or take a copy.
         ``max_num_seqs`` sequences of ``max_model_len`` tokens may be in flight at once (an
         iteration's samples); ``seed`` differs per rank; ``temperature``: that of every
-        non-greedy call (an engine whose recorded log-probs depend on it fixes it here)."""
+        non-greedy call (an engine whose recorded log-probs depend on it fixes it here).
+        ``adapter_config``: the actor trains LoRA adapters of this peft config (``module``
+        holds them); the engine then takes adapter updates through ``load_adapter``."""
 
     @abc.abstractmethod
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
@@ -180,8 +197,14 @@ class RolloutEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Take fresh weights (HF names) in memory, without a restart."""
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> int:
+        """Take fresh weights (HF names) in memory, without a restart; returns the bytes copied
+        (0 for tensors the engine already shares)."""
+
+    def load_adapter(self, weights: dict[str, torch.Tensor]) -> int:
+        """Take fresh LoRA adapter weights (peft's saved names) of the ``adapter_config`` the
+        engine was built with; returns the bytes taken."""
+        raise NotImplementedError(f"{type(self).__name__} does not take LoRA adapters")
 
     def weight_bytes(self) -> int | None:
         """Bytes of the weights this engine holds as its own copy (None: unknown). A sharded
@@ -193,6 +216,9 @@ class RolloutEngine(abc.ABC):
 
     def reload(self) -> None:
         """Restore what ``offload`` freed. No-op by default."""
+
+    def close(self) -> None:
+        """Release what the engine keeps outside the process (files). No-op by default."""
 
 
 E = TypeVar("E")

@@ -51,9 +51,11 @@ class HFRolloutEngine(RolloutEngine):
         max_num_seqs: int,
         seed: int,
         temperature: float = 1.0,
+        adapter_config=None,
     ) -> "HFRolloutEngine":
         """Generates from the train engine's own ``module`` (same layout, no copy); records
-        log-probs at each call's own temperature, so ``temperature`` is not needed here."""
+        log-probs at each call's own temperature, so ``temperature`` is not needed here. A
+        LoRA actor's module holds its adapters: they generate as they train."""
         return cls(module, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
@@ -123,15 +125,19 @@ class HFRolloutEngine(RolloutEngine):
         """Bytes of the model's parameters (tied ones once)."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+    def load_adapter(self, weights: dict[str, torch.Tensor]) -> int:
+        """The adapters are the module's own (shared with the train engine): nothing moves."""
+        return 0
+
     @torch.no_grad()
-    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> int:
         """Copy ``(HF name, tensor)`` pairs into the model's parameters in place.
 
         A tensor that already is the parameter's storage (shared module) is skipped. Tied
         parameters answer to every one of their names. Unknown names and shape mismatches raise.
         """
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        copied = shared = 0
+        copied = shared = copied_bytes = 0
         for name, tensor in weights:
             if name not in params:
                 raise KeyError(f"rollout model has no parameter named {name!r}")
@@ -150,4 +156,6 @@ class HFRolloutEngine(RolloutEngine):
                 continue
             param.copy_(tensor)
             copied += 1
+            copied_bytes += tensor.numel() * tensor.element_size()
         self.last_load = {"copied": copied, "shared": shared}
+        return copied_bytes

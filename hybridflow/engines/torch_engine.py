@@ -10,7 +10,9 @@ for all but the last micro-batch); DDP then averages over ranks, so the final gr
 
 from __future__ import annotations
 
+import copy
 import math
+import os
 from collections.abc import Iterator
 from contextlib import nullcontext
 
@@ -24,12 +26,16 @@ from torch.nn.parallel import DistributedDataParallel
 from hybridflow.algos import count_sequences, entropy_from_logits, log_probs_from_logits
 from hybridflow.data import keys as K
 from hybridflow.engines.base import LossFn, ModelKind, TrainEngine
+from hybridflow.engines.lora import add_lora
 from hybridflow.engines.packing import pack, pack_shared_prompts
 from hybridflow.engines.schedule import lr_factor
 from hybridflow.spec.graph import TrainEngineSpec
 
 # Optimizer state keyed "state.<param name>.<field>" (no param indices): layout-free.
 _DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# A LoRA actor's checkpoint: the adapters and their AdamW state; the frozen base comes from
+# the model's source.
+_DCP_LORA_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 
 
 # From this vocabulary size on, a packed policy forward gathers the response tail's hidden
@@ -122,6 +128,7 @@ class TorchTrainEngine(TrainEngine):
         total_steps: optimizer steps of the whole run; required by the cosine schedule.
         process_group: the data-parallel group; ``None`` = the default group (when initialised).
         kind: ``"policy"`` (log-probs and entropy) or ``"value"`` (values).
+        seed: draws the initial LoRA adapters (``spec.lora``); the same on every rank.
     """
 
     def __init__(
@@ -132,6 +139,7 @@ class TorchTrainEngine(TrainEngine):
         total_steps: int | None = None,
         process_group: dist.ProcessGroup | None = None,
         kind: ModelKind = "policy",
+        seed: int = 0,
     ) -> None:
         if spec.layout.tp != 1 or spec.layout.pp != 1:
             raise ValueError(
@@ -142,6 +150,9 @@ class TorchTrainEngine(TrainEngine):
             raise ValueError("train.optim.schedule 'cosine' needs the run's total optimizer steps")
         self.spec = spec
         self.kind: ModelKind = kind
+        # LoRA: peft injects its layers into ``model`` in place and freezes the base weights;
+        # ``model`` stays the module every forward runs, ``self.peft`` switches the adapters.
+        self.peft = add_lora(model, spec.lora, seed) if spec.lora is not None else None
         self.module = model
         self.home = next(model.parameters()).device  # where reload() brings the state back
         if spec.share_prompts:
@@ -175,7 +186,7 @@ class TorchTrainEngine(TrainEngine):
         cls, module: nn.Module, spec: TrainEngineSpec, *, kind: ModelKind, total_steps: int, seed: int
     ) -> "TorchTrainEngine":
         """Data parallel over the default process group (every rank of the worker group)."""
-        return cls(module, spec, total_steps=total_steps, kind=kind)
+        return cls(module, spec, total_steps=total_steps, kind=kind, seed=seed)
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -361,11 +372,41 @@ class TorchTrainEngine(TrainEngine):
             yield name, param.detach()
 
     def save_hf(self, path: str) -> None:
-        """Rank 0 of the DP group writes ``save_pretrained(path)``; every rank waits for it."""
+        """Rank 0 of the DP group writes ``save_pretrained(path)``; every rank waits for it.
+
+        A LoRA model writes its adapters (peft's ``adapter_config.json`` and
+        ``adapter_model.safetensors``), and with ``lora.save_merged`` also the base model with
+        the adapters merged into it, a plain HF model, under ``path/merged``.
+        """
         if self.dp_rank == 0:
-            self.module.save_pretrained(path)
+            if self.peft is None:
+                self.module.save_pretrained(path)
+            else:
+                self.peft.save_pretrained(path)
+                if self.spec.lora.save_merged:
+                    merged = copy.deepcopy(self.peft).merge_and_unload()
+                    merged.save_pretrained(os.path.join(path, "merged"))
         if self.dp_size > 1:
             dist.barrier(group=self.process_group)
+
+    # -- LoRA -----------------------------------------------------------------------------------
+
+    def adapters_disabled(self):
+        if self.peft is None:
+            return super().adapters_disabled()
+        return self.peft.disable_adapter()
+
+    def adapter_weights(self) -> dict[str, torch.Tensor] | None:
+        if self.peft is None:
+            return None
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach() for k, v in get_peft_model_state_dict(self.peft).items()}
+
+    def adapter_config(self) -> dict | None:
+        if self.peft is None:
+            return None
+        return self.peft.peft_config["default"].to_dict()
 
     # -- memory -------------------------------------------------------------------------------
 
@@ -396,19 +437,27 @@ class TorchTrainEngine(TrainEngine):
 
     # -- checkpoints ----------------------------------------------------------------------------
 
+    @property
+    def _dcp_options(self) -> StateDictOptions:
+        return _DCP_OPTIONS if self.peft is None else _DCP_LORA_OPTIONS
+
     def state_dict(self) -> dict:
         """The engine's state for ``torch.distributed.checkpoint``, keyed by parameter name only
         (no rank, no layout): ``model`` (the weights), ``optim`` (AdamW's ``exp_avg``,
         ``exp_avg_sq`` and ``step`` per parameter, and the param-group settings, flattened by
         name) and ``schedule`` (the LR scheduler's counters). Every data-parallel rank holds the
-        same full tensors, so a checkpoint of any dp loads at any other.
+        same full tensors, so a checkpoint of any dp loads at any other. A LoRA engine's
+        ``model`` and ``optim`` hold the adapters only (the frozen base is its source's).
 
         The tensors are the engine's own (no copy): a ``dcp.load`` into this dict fills them in
         place, after which :meth:`load_state_dict` applies the non-tensor values. A fresh
         optimizer gets its (zero) state first, so that there is something to load into.
         """
         fresh = not self.optimizer.state
-        model, optim = get_state_dict(self.module, self.optimizer, options=_DCP_OPTIONS)
+        model, optim = get_state_dict(self.module, self.optimizer, options=self._dcp_options)
+        if self.peft is not None:  # the tied head passes for trainable under its second name
+            trainable = {name for name, p in self.module.named_parameters() if p.requires_grad}
+            model = {name: tensor for name, tensor in model.items() if name in trainable}
         if fresh:  # made by a zero-gradient step at lr 0: make it the state of no step at all
             for param_state in self.optimizer.state.values():
                 param_state["step"].zero_()
@@ -418,7 +467,7 @@ class TorchTrainEngine(TrainEngine):
         """Take a state in :meth:`state_dict`'s form (e.g. filled by ``dcp.load``)."""
         set_state_dict(
             self.module, self.optimizer, model_state_dict=state["model"],
-            optim_state_dict=state["optim"], options=_DCP_OPTIONS,
+            optim_state_dict=state["optim"], options=self._dcp_options,
         )
         self.scheduler.load_state_dict(state["schedule"])
         # The graph's optimizer spec, not the checkpoint's, sets the learning rate from here on:

@@ -33,10 +33,12 @@ core lives in this process, next to the train engine.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,6 +49,7 @@ from torch import nn
 from hybridflow.data import keys as K
 from hybridflow.data.batch import build_rollout_fields, repeat_interleave_td
 from hybridflow.engines.base import RolloutEngine, SamplingParams
+from hybridflow.engines.lora import base_named_weights
 
 # Head sizes vLLM's CPU attention kernel takes (vllm.v1.attention.backends.cpu_attn, 0.32).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -154,6 +157,7 @@ class VLLMRolloutEngine(RolloutEngine):
         kv_cache_bytes: int = 64 << 20,
         gpu_memory_utilization: float = 0.3,
         progress: bool = False,
+        adapter_config: dict[str, Any] | None = None,
     ) -> None:
         vllm = import_vllm()
         self.on_gpu = torch.cuda.is_available()
@@ -168,6 +172,14 @@ class VLLMRolloutEngine(RolloutEngine):
             if self.on_gpu
             else dict(kv_cache_memory_bytes=kv_cache_bytes)
         )
+        # LoRA: vLLM holds the base weights and one adapter slot; every sync loads the adapters
+        # under a new id (an id already loaded is not read again) and drops the previous one.
+        self.adapter_config = adapter_config
+        lora = {}
+        if adapter_config is not None:
+            lora = dict(enable_lora=True, max_loras=1, max_lora_rank=_vllm_lora_rank(adapter_config["r"]))
+        self._lora_request = None  # the adapters generate() applies; None before the first sync
+        self._adapter_dir: str | None = None
         self.llm = vllm.LLM(
             model=model_dir,
             dtype=dtype,
@@ -179,6 +191,7 @@ class VLLMRolloutEngine(RolloutEngine):
             enforce_eager=True,
             disable_log_stats=True,
             **memory,
+            **lora,
         )
         self._sampling_params_cls = vllm.SamplingParams
         self.asleep = False
@@ -196,9 +209,12 @@ class VLLMRolloutEngine(RolloutEngine):
         max_num_seqs: int,
         seed: int,
         temperature: float = 1.0,
+        adapter_config: dict[str, Any] | None = None,
     ) -> "VLLMRolloutEngine":
         """Starts once from ``module``'s initial weights written to a temporary HF directory
-        (removed once loaded), then takes every update in memory through ``load_weights``."""
+        (removed once loaded), then takes every update in memory through ``load_weights``.
+        With ``adapter_config`` (a LoRA actor) it starts from the base weights and takes
+        adapter updates through ``load_adapter``."""
         model_dir = tempfile.mkdtemp(prefix="hybridflow-vllm-")
         try:
             save_for_vllm(module, tokenizer, model_dir)
@@ -211,6 +227,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 dtype=str(module.dtype).removeprefix("torch."),
                 kv_cache_bytes=kv_cache_bytes_for(module.config, max_num_seqs, max_model_len),
                 temperature=temperature,
+                adapter_config=adapter_config,
             )
         finally:
             shutil.rmtree(model_dir, ignore_errors=True)
@@ -256,7 +273,9 @@ class VLLMRolloutEngine(RolloutEngine):
         requests = [
             {"prompt_token_ids": ids[mask].tolist()} for ids, mask in zip(prompt_ids, prompt_mask)
         ]
-        outputs = self.llm.generate(requests, self._vllm_params(params), use_tqdm=self.progress)
+        outputs = self.llm.generate(
+            requests, self._vllm_params(params), use_tqdm=self.progress, lora_request=self._lora_request
+        )
 
         num_samples = len(requests) * params.n
         responses = torch.full((num_samples, params.max_new_tokens), self.pad_id, dtype=torch.int64)
@@ -284,7 +303,7 @@ class VLLMRolloutEngine(RolloutEngine):
     # -- weights ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> int:
         """Load ``(HF name, tensor)`` pairs in place: no restart, no disk.
 
         Re-ties and re-packs a tied ``lm_head`` and resets the prefix cache afterwards.
@@ -312,6 +331,46 @@ class VLLMRolloutEngine(RolloutEngine):
             "repacked": repacked,
             "seconds": time.perf_counter() - start,
         }
+        return loaded_bytes
+
+    @torch.no_grad()
+    def load_adapter(self, weights: dict[str, torch.Tensor]) -> int:
+        """Load LoRA adapter weights (peft's saved names) as the adapters of every later
+        ``generate``: written with their config to a directory in shared memory (``/dev/shm``
+        when there is one) and loaded from there under a new adapter id, the previous one
+        removed. Returns the bytes written."""
+        from safetensors.torch import save_file
+
+        from vllm.lora.request import LoRARequest
+
+        if self.adapter_config is None:
+            raise ValueError("this vLLM engine was started without LoRA (no adapter_config)")
+        start = time.perf_counter()
+        if self._adapter_dir is None:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._adapter_dir = tempfile.mkdtemp(prefix="hybridflow-lora-", dir=shm)
+            # removed on close(), or when the engine is collected or the process exits
+            self._remove_adapter_dir = weakref.finalize(self, shutil.rmtree, self._adapter_dir, True)
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
+        save_file(tensors, os.path.join(self._adapter_dir, "adapter_model.safetensors"))
+        with open(os.path.join(self._adapter_dir, "adapter_config.json"), "w") as f:
+            json.dump(self.adapter_config, f, default=sorted)  # peft keeps target_modules as a set
+        previous = self._lora_request
+        version = 1 if previous is None else previous.lora_int_id + 1
+        self._lora_request = LoRARequest(f"adapter-{version}", version, self._adapter_dir)
+        self.llm.llm_engine.add_lora(self._lora_request)  # read now, not at the next generate
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        self.llm.reset_prefix_cache()
+        loaded = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.last_load = {"loaded": len(tensors), "repacked": 0, "seconds": time.perf_counter() - start}
+        return loaded
+
+    def close(self) -> None:
+        """Remove the adapter directory (the engine itself goes with the process)."""
+        if self._adapter_dir is not None:
+            self._remove_adapter_dir()
+            self._adapter_dir = None
 
     # -- memory -------------------------------------------------------------------------------
 
@@ -333,6 +392,14 @@ class VLLMRolloutEngine(RolloutEngine):
             self.asleep = False
 
 
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM's ``max_lora_rank`` accepts that holds ``rank``."""
+    for allowed in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"vLLM takes LoRA ranks up to 512, got {rank}")
+
+
 def save_for_vllm(module: nn.Module, tokenizer: Any, model_dir: str) -> str:
     """Write ``module`` (config + safetensors) and ``tokenizer`` to ``model_dir`` for the engine.
 
@@ -344,9 +411,9 @@ def save_for_vllm(module: nn.Module, tokenizer: Any, model_dir: str) -> str:
 
     os.makedirs(model_dir, exist_ok=True)
     module.config.save_pretrained(model_dir)
-    tensors = {
-        name: param.detach().to("cpu").contiguous().clone()
-        for name, param in module.named_parameters()  # remove_duplicate: tied weights once
+    tensors = {  # a LoRA actor's base weights (its adapters come through load_adapter)
+        name: param.to("cpu").contiguous().clone()
+        for name, param in base_named_weights(module)  # remove_duplicate: tied weights once
     }
     save_file(tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:

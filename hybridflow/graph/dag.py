@@ -81,6 +81,25 @@ class Graph:
     def actor(self) -> str:
         return next(name for name, m in self.spec.models.items() if m.role == "actor")
 
+    def base_of(self, model: str) -> str | None:
+        """The LoRA actor whose module serves ``model`` with its adapters disabled, or None.
+
+        A ``ref`` model is served that way when the actor has ``train.lora``, the two have the
+        same source and sit on the same pool: its log-probs are then the base model's, and its
+        workers build no weights of their own.
+        """
+        spec = self.spec.models[model]
+        actor = self.actor
+        actor_spec = self.spec.models[actor]
+        if (
+            spec.role == "ref"
+            and actor_spec.train.lora is not None
+            and spec.source == actor_spec.source
+            and self.placement[model] == self.placement[actor]
+        ):
+            return actor
+        return None
+
 
 def _resolve_nodes(spec: GraphSpec, file: str) -> list[Node]:
     nodes, seen = [], {}
@@ -333,6 +352,9 @@ def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node
     actors = [n for n, m in spec.models.items() if m.role == "actor"]
     if len(actors) > 1:
         raise SpecError(file, "models", f"one actor per graph, found {actors}")
+    for name, model in spec.models.items():
+        if model.train.lora is not None and model.role != "actor":
+            raise SpecError(file, f"models.{name}.train.lora", f"LoRA is for the actor (role is {model.role})")
     nodes = _resolve_nodes(spec, file)
     dag = _build_dag(nodes, file)
     _route_through_filters(nodes, dag, file)

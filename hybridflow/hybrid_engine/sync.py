@@ -1,7 +1,10 @@
 """Moving the actor's fresh weights from its train engine to its rollout engine, every iteration.
 
-Two cases, chosen by the train engine (``weight_sync``: whether ``train_shard()`` gives one):
+Three cases, chosen by the train engine (``weight_sync``):
 
+- **LoRA** (:func:`sync_adapters`): a torch engine training adapters (``adapter_config()``).
+  The rollout engine holds the frozen base since its start and takes the adapters only:
+  vLLM as a LoRA adapter, the transformers rollout by sharing the module.
 - **Same layout** (:func:`sync_weights`): the torch train engine and a rollout engine in one
   process. The transformers rollout engine generates from the train engine's own module:
   ``load_weights`` finds every tensor already in place and copies nothing. vLLM keeps its own copy
@@ -33,6 +36,8 @@ def weight_sync(engine: TrainEngine, rollout: RolloutSpec) -> WeightSync:
     """How ``engine``'s weights reach its rollout engine each iteration: through the resharder
     when it holds a training shard, else as its full named weights. Building the resharded one
     is collective: every rank of the group calls this."""
+    if engine.adapter_config() is not None:
+        return partial(sync_adapters, engine)
     shard = engine.train_shard()
     if shard is None:
         return partial(sync_weights, engine)
@@ -40,10 +45,20 @@ def weight_sync(engine: TrainEngine, rollout: RolloutSpec) -> WeightSync:
 
 
 def sync_weights(train: TrainEngine, rollout: RolloutEngine) -> dict[str, float]:
-    """Push ``train``'s current weights into ``rollout``; returns timing metrics."""
+    """Push ``train``'s current weights into ``rollout``; returns timing metrics and
+    ``weight_sync/bytes``, the bytes of the copy the rollout engine took (0 when it shares the
+    train engine's module)."""
     start = time.perf_counter()
-    rollout.load_weights(train.named_weights())
-    return {"timing/weight_sync": time.perf_counter() - start}
+    moved = rollout.load_weights(train.named_weights())
+    return {"timing/weight_sync": time.perf_counter() - start, "weight_sync/bytes": float(moved)}
+
+
+def sync_adapters(train: TrainEngine, rollout: RolloutEngine) -> dict[str, float]:
+    """A LoRA actor's sync: the adapters only (the rollout engine holds the frozen base since
+    its start); ``weight_sync/bytes``: the adapter bytes the rollout engine took."""
+    start = time.perf_counter()
+    moved = rollout.load_adapter(train.adapter_weights())
+    return {"timing/weight_sync": time.perf_counter() - start, "weight_sync/bytes": float(moved)}
 
 
 class ReshardedSync:

@@ -155,6 +155,26 @@ class OptimSpec(Spec):
     grad_clip: float | None = Field(1.0, gt=0, description="Max global grad norm; null = off.")
 
 
+class LoraSpec(Spec):
+    """PEFT LoRA adapters on a torch-engine actor: only the adapters train (and hold AdamW
+    state); the base weights stay frozen, serve a colocated reference of the same source with
+    the adapters disabled, and are never synced to the rollout engine again."""
+
+    rank: int = Field(16, ge=1, description="LoRA rank r (vLLM rollout: at most 512).")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="Module names that get adapters (peft's target_modules, e.g. [q_proj, "
+        "v_proj]), or 'all-linear': every linear layer but the LM head.",
+    )
+    save_merged: bool = Field(
+        False,
+        description="The saved actor (RUN_DIR/actor) holds the adapters; true also writes the "
+        "base model with the adapters merged in, a plain HF model, to RUN_DIR/actor/merged.",
+    )
+
+
 class TrainEngineSpec(Spec):
     """The engine that holds a model's weights for forward passes and updates."""
 
@@ -189,6 +209,13 @@ class TrainEngineSpec(Spec):
         "(tokens^2 of a micro-batch): meant for micro-batches of a few thousand tokens.",
     )
     optim: OptimSpec = Field(default_factory=OptimSpec, description="Used by update nodes.")
+    lora: LoraSpec | None = Field(
+        None,
+        description="Torch engine, actor: train PEFT LoRA adapters instead of every weight "
+        "(null = full fine-tuning). A `ref` model of the same source placed on the actor's pool "
+        "is then served by the actor's own module with its adapters disabled (no second copy), "
+        "and each weight sync moves the adapters only.",
+    )
 
     @model_validator(mode="after")
     def _compute_dtype_fits(self) -> "TrainEngineSpec":
@@ -199,6 +226,8 @@ class TrainEngineSpec(Spec):
             )
         if self.share_prompts and self.engine != "torch":
             raise ValueError("share_prompts is for train.engine 'torch'")
+        if self.lora is not None and self.engine != "torch":
+            raise ValueError("lora is for train.engine 'torch'")
         return self
 
 

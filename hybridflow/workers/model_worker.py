@@ -20,6 +20,7 @@ from hybridflow.algos import POLICY_LOSSES, agg_loss, informative_groups, kl_pen
 from hybridflow.data import keys as K
 from hybridflow.data.batch import place_sequence_reward
 from hybridflow.engines.base import ROLLOUT_ENGINES, TRAIN_ENGINES, RolloutEngine, SamplingParams, TrainEngine
+from hybridflow.engines.lora import BaseModelEngine
 from hybridflow.engines.models import build_causal_lm, build_value_model
 from hybridflow.hybrid_engine.consistency import ConsistencyStats, check_consistency
 from hybridflow.hybrid_engine.sync import WeightSync, weight_sync
@@ -40,6 +41,18 @@ VALUE_ROLES = ("critic", "reward", "cost")  # a scalar head per token instead of
 
 class NonFiniteWeightError(RuntimeError):
     """A trained weight became NaN/inf; such a state is never checkpointed."""
+
+
+def memory_metrics() -> dict[str, float]:
+    """This worker process's resident memory now and at its peak (bytes; averaged over the
+    ranks in the iteration's metrics): what a pool's hosts must hold per device."""
+    import resource
+
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the kernel's high-water mark
+    return {"memory/rss_bytes": float(rss), "memory/peak_rss_bytes": float(max(peak, rss))}
 
 
 def _poisoned(loss_fn):
@@ -76,10 +89,13 @@ class ModelWorker(Worker):
         self.weight_syncs: dict[str, WeightSync] = {}
         self.rules = {}
         data = graph_spec.data
+        served = {name: graph.base_of(name) for name in models}  # ref -> LoRA actor, or None
         for name in models:
             model_spec = graph_spec.models[name]
             if model_spec.source.is_scorer:
                 self.rules[name] = RewardSources(model_spec.source)
+                continue
+            if served[name] is not None:  # built below, from the actor's engine
                 continue
             value_head = model_spec.role in VALUE_ROLES
             build = build_value_model if value_head else build_causal_lm
@@ -106,8 +122,12 @@ class ModelWorker(Worker):
                     max_num_seqs=data.prompts_per_iteration * rollout.n,
                     seed=seed * 1000 + rank,
                     temperature=rollout.temperature,
+                    adapter_config=engine.adapter_config(),
                 )
                 self.weight_syncs[name] = weight_sync(engine, rollout)  # collective when resharded
+        for name, actor in served.items():
+            if actor is not None:  # the reference policy: the LoRA actor with adapters disabled
+                self.train_engines[name] = BaseModelEngine(self.train_engines[actor])
         # Different ranks must sample differently; the same rank the same way every run.
         torch.manual_seed(seed * 1000 + rank)
         self.colocation = Colocation(self.train_engines)  # run_op activates the node's model
@@ -293,6 +313,7 @@ class ModelWorker(Worker):
                 self._inject_stale_syncs[model] -= 1
             else:
                 metrics.update(self._sync_rollout(model))
+        metrics.update(memory_metrics())
         return TensorDict({}, batch_size=batch.batch_size), {"metrics": metrics}
 
     def _train(self, batch: TensorDict, node: Node, loss_fn, rollout_stats: ConsistencyStats | None = None) -> dict[str, float]:
@@ -351,6 +372,8 @@ class ModelWorker(Worker):
         finaliser and print tracebacks at the end of every run."""
         for sources in self.rules.values():
             sources.close()
+        for engine in self.rollout_engines.values():
+            engine.close()
         super().shutdown()
 
     def _trained_engines(self) -> dict[str, TrainEngine]:
@@ -402,6 +425,10 @@ class ModelWorker(Worker):
                 kl = kl_penalty(log_probs, mb[K.REF_LOG_PROBS], opts.kl_estimator, opts.kl_bound)
                 loss_mat = loss_mat + opts.kl_coef * kl
                 metrics["kl"] = float(masked_mean(kl.detach(), response_mask))
+            elif K.REF_LOG_PROBS in mb.keys():  # no KL term: the distance to the ref is watched only
+                with torch.no_grad():
+                    kl = kl_penalty(log_probs, mb[K.REF_LOG_PROBS], opts.kl_estimator, opts.kl_bound)
+                metrics["kl"] = float(masked_mean(kl, response_mask))
             if opts.entropy_coef:
                 loss_mat = loss_mat - opts.entropy_coef * out["entropy"]
             if rollout_stats is not None and K.ROLLOUT_LOG_PROBS in mb.keys():

@@ -1,0 +1,99 @@
+"""LoRA on the actor (``train.lora``): peft adapters on the torch engine's module.
+
+- :func:`add_lora` injects the adapters into the module in place; the base weights are frozen,
+  so AdamW holds state for the adapters only.
+- :class:`BaseModelEngine` serves a reference model of the actor's source from the actor's own
+  module with its adapters disabled: the reference policy is the base model, and no second copy
+  of its weights is held.
+- :func:`base_named_weights` gives the frozen base under plain HF names (what a rollout engine
+  with its own copy of the weights starts from); afterwards only the adapters move
+  (``RolloutEngine.load_adapter``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from hybridflow.engines.base import LossFn, TrainEngine
+from hybridflow.spec.graph import LoraSpec
+
+# The parameter names peft gives its own tensors; the wrapped layer's are under ``base_layer``.
+_ADAPTER_MARKERS = (".lora_", ".lora_magnitude_vector")
+
+
+def add_lora(model: nn.Module, lora: LoraSpec, seed: int = 0):
+    """Inject PEFT LoRA adapters into ``model`` (in place) and return the ``PeftModel``: only
+    the adapters require grad afterwards. peft initialises B = 0, so the adapted model starts
+    equal to the base, and A at random: drawn here from ``seed`` (the global RNG is left as it
+    was), so that every rank and every run starts from the same adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
+
+
+def base_named_weights(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``module``'s base weights under their HF names (``...q_proj.base_layer.weight`` ->
+    ``...q_proj.weight``), adapters left out; tied weights once. Works on a module without
+    adapters too (the names are then its own)."""
+    for name, param in module.named_parameters():
+        if any(marker in name for marker in _ADAPTER_MARKERS):
+            continue
+        yield name.replace(".base_layer.", "."), param.detach()
+
+
+class BaseModelEngine(TrainEngine):
+    """A reference model served by a LoRA actor's engine with the adapters disabled.
+
+    It trains nothing and holds nothing: forwards run the actor's module (its micro-batch size,
+    dtype and packing) inside ``adapters_disabled()``; memory moves with the actor's engine.
+    """
+
+    def __init__(self, actor: TrainEngine) -> None:
+        self.actor = actor
+
+    @classmethod
+    def build(cls, module, spec, *, kind, total_steps, seed):  # pragma: no cover - never built from a spec
+        raise TypeError("a BaseModelEngine is made from the actor's engine, not built")
+
+    def forward(self, batch: TensorDict, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        with self.actor.adapters_disabled():
+            return self.actor.forward(batch, temperature)
+
+    def train_step(self, batch: TensorDict, loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
+        raise TypeError("the reference served by the LoRA actor's base weights is not trained")
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return base_named_weights(self.actor.module)
+
+    def save_hf(self, path: str) -> None:
+        raise TypeError("the reference is the actor's base model: save the base's source instead")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def offload(self) -> int:
+        return 0  # the actor's weights: they move when the actor's engine moves
+
+    def reload(self) -> int:
+        return self.actor.reload()  # activating the reference makes the actor's module resident
+
+    @property
+    def dp_group(self):
+        return self.actor.dp_group
