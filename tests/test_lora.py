@@ -110,9 +110,11 @@ def test_graph_serves_a_same_source_ref_from_the_lora_actor(tmp_path):
 
 
 @pytest.mark.slow
-def test_vllm_after_an_adapter_sync_equals_the_merged_model(llama_dir):
+@pytest.mark.parametrize("transport", ["shm", "memory"])
+def test_vllm_after_an_adapter_sync_equals_the_merged_model(llama_dir, transport):
     """Greedy, float32: vLLM with the synced adapters generates the merged model's tokens, and a
-    second sync (new weights under a new adapter id) is taken too."""
+    second sync (new weights under a new adapter id) is taken too; through a shared-memory
+    directory or built in memory."""
     from hybridflow.engines.vllm_rollout import VLLMRolloutEngine
 
     engine, model, tokenizer = _lora_engine(llama_dir)
@@ -134,7 +136,7 @@ def test_vllm_after_an_adapter_sync_equals_the_merged_model(llama_dir):
             for name, param in model.named_parameters():
                 if ".lora_" in name:
                     param.copy_(torch.randn_like(param) * 0.5)
-        moved = vllm.load_adapter(engine.adapter_weights())
+        moved = vllm.load_adapter(engine.adapter_weights(), transport=transport)
         assert moved == sum(t.numel() * 4 for t in engine.adapter_weights().values())
         got = vllm.generate(prompts, greedy)[K.RESPONSES]
         assert torch.equal(got, merged_tokens()), step

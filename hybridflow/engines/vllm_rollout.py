@@ -334,37 +334,56 @@ class VLLMRolloutEngine(RolloutEngine):
         return loaded_bytes
 
     @torch.no_grad()
-    def load_adapter(self, weights: dict[str, torch.Tensor]) -> int:
+    def load_adapter(self, weights: dict[str, torch.Tensor], transport: str = "shm") -> int:
         """Load LoRA adapter weights (peft's saved names) as the adapters of every later
-        ``generate``: written with their config to a directory in shared memory (``/dev/shm``
-        when there is one) and loaded from there under a new adapter id, the previous one
-        removed. Returns the bytes written."""
-        from safetensors.torch import save_file
+        ``generate``, under a new adapter id, the previous one removed. Returns the bytes taken.
 
+        ``transport``: ``"shm"`` writes them with their config to a directory in shared memory
+        (``/dev/shm`` when there is one) for vLLM's own loader (its public path: a
+        ``LoRARequest`` names a directory); ``"memory"`` builds vLLM's ``LoRAModel`` from the
+        tensors inside the engine's worker and hands it to the worker's adapter manager (no
+        file; internal API of vLLM 0.32, in-process engine only). benchmarks/lora_sync.py
+        measures both.
+        """
         from vllm.lora.request import LoRARequest
 
         if self.adapter_config is None:
             raise ValueError("this vLLM engine was started without LoRA (no adapter_config)")
         start = time.perf_counter()
-        if self._adapter_dir is None:
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            self._adapter_dir = tempfile.mkdtemp(prefix="hybridflow-lora-", dir=shm)
-            # removed on close(), or when the engine is collected or the process exits
-            self._remove_adapter_dir = weakref.finalize(self, shutil.rmtree, self._adapter_dir, True)
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
-        save_file(tensors, os.path.join(self._adapter_dir, "adapter_model.safetensors"))
-        with open(os.path.join(self._adapter_dir, "adapter_config.json"), "w") as f:
-            json.dump(self.adapter_config, f, default=sorted)  # peft keeps target_modules as a set
         previous = self._lora_request
         version = 1 if previous is None else previous.lora_int_id + 1
-        self._lora_request = LoRARequest(f"adapter-{version}", version, self._adapter_dir)
-        self.llm.llm_engine.add_lora(self._lora_request)  # read now, not at the next generate
+        if transport == "memory":
+            # Copies: vLLM scales B in place (and the engine core shares this process), so the
+            # trained adapters must not be handed over themselves.
+            owned = {name: t.clone() for name, t in tensors.items()}
+            self.llm.collective_rpc(_add_adapter_from_tensors, args=(version, owned, self.adapter_config))
+            # the id is loaded: a request naming it is served from the manager, the path unread
+            self._lora_request = LoRARequest(f"adapter-{version}", version, "in-memory")
+        elif transport == "shm":
+            self._write_adapter(tensors)
+            self._lora_request = LoRARequest(f"adapter-{version}", version, self._adapter_dir)
+            self.llm.llm_engine.add_lora(self._lora_request)  # read now, not at the next generate
+        else:
+            raise ValueError(f"unknown adapter transport {transport!r}; expected shm or memory")
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
         self.llm.reset_prefix_cache()
         loaded = sum(t.numel() * t.element_size() for t in tensors.values())
         self.last_load = {"loaded": len(tensors), "repacked": 0, "seconds": time.perf_counter() - start}
         return loaded
+
+    def _write_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        if self._adapter_dir is None:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._adapter_dir = tempfile.mkdtemp(prefix="hybridflow-lora-", dir=shm)
+            # removed on close(), or when the engine is collected or the process exits
+            self._remove_adapter_dir = weakref.finalize(self, shutil.rmtree, self._adapter_dir, True)
+        save_file(tensors, os.path.join(self._adapter_dir, "adapter_model.safetensors"))
+        with open(os.path.join(self._adapter_dir, "adapter_config.json"), "w") as f:
+            json.dump(self.adapter_config, f, default=sorted)  # peft keeps target_modules as a set
 
     def close(self) -> None:
         """Remove the adapter directory (the engine itself goes with the process)."""
@@ -390,6 +409,27 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.on_gpu and self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+
+def _add_adapter_from_tensors(worker: Any, version: int, tensors: dict, config: dict) -> None:
+    """Inside the engine's worker: make adapter ``version`` from ``tensors`` (peft names) and
+    ``config`` (peft's adapter_config) as vLLM's loader would from a directory, and add it to
+    the worker's adapter manager, active."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = worker.model_runner.lora_manager
+    helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    lora = manager._lora_model_cls.from_lora_tensors(
+        version, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+    manager._adapter_manager.add_adapter(lora)
+    manager._adapter_manager.activate_adapter(lora.id)
 
 
 def _vllm_lora_rank(rank: int) -> int:

@@ -86,9 +86,10 @@ class ReshardedSync:
             self.shard.buffer, self.shard.specs, self.layout, self.groups, self.mode
         )
         weights = self.shard.to_hf(shards, self.layout.tp)
-        rollout.load_weights(_counting_copies(weights, shards, stats))
+        moved = rollout.load_weights(_counting_copies(weights, shards, stats))
         shards.release()
         metrics = stats.as_metrics()
+        metrics["weight_sync/bytes"] = float(moved)
         rollout_bytes = rollout.weight_bytes()
         if rollout_bytes is not None:
             metrics["reshard/rollout_copy_bytes"] = float(rollout_bytes)
