@@ -110,18 +110,20 @@ def test_graph_serves_a_same_source_ref_from_the_lora_actor(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["shm", "memory"])
-def test_vllm_after_an_adapter_sync_equals_the_merged_model(llama_dir, transport):
+@pytest.mark.parametrize("lora_sync", ["adapter", "merged"])
+def test_vllm_after_an_adapter_sync_equals_the_merged_model(llama_dir, lora_sync):
     """Greedy, float32: vLLM with the synced adapters generates the merged model's tokens, and a
-    second sync (new weights under a new adapter id) is taken too; through a shared-memory
-    directory or built in memory."""
+    second sync (new weights under a new adapter id) is taken too. Adapters go through a
+    shared-memory directory (first sync), then are built in memory (second); under
+    ``lora_sync: merged`` a vLLM without LoRA takes the weights merged in the train process."""
     from hybridflow.engines.vllm_rollout import VLLMRolloutEngine
 
     engine, model, tokenizer = _lora_engine(llama_dir)
     prompts = _prompts(tokenizer)
     greedy = SamplingParams(n=1, max_new_tokens=6, greedy=True)
+    merged = lora_sync == "merged"
     vllm = VLLMRolloutEngine.build(model, tokenizer, max_model_len=16, max_num_seqs=4, seed=0,
-                                   adapter_config=engine.adapter_config())
+                                   adapter_config=None if merged else engine.adapter_config())
 
     def merged_tokens():
         merged = copy.deepcopy(engine.peft).merge_and_unload()
@@ -136,8 +138,12 @@ def test_vllm_after_an_adapter_sync_equals_the_merged_model(llama_dir, transport
             for name, param in model.named_parameters():
                 if ".lora_" in name:
                     param.copy_(torch.randn_like(param) * 0.5)
-        moved = vllm.load_adapter(engine.adapter_weights(), transport=transport)
-        assert moved == sum(t.numel() * 4 for t in engine.adapter_weights().values())
+        if merged:
+            moved = vllm.load_weights(engine.merged_weights())
+            assert moved == sum(p.numel() * 4 for _, p in base_named_weights(model))
+        else:
+            moved = vllm.load_adapter(engine.adapter_weights(), transport=("shm", "memory")[step])
+            assert moved == sum(t.numel() * 4 for t in engine.adapter_weights().values())
         got = vllm.generate(prompts, greedy)[K.RESPONSES]
         assert torch.equal(got, merged_tokens()), step
         seen.append(got)
@@ -204,3 +210,20 @@ def test_two_iterations_of_the_smollm2_lora_graph_then_eval(tmp_path, monkeypatc
     assert main(["eval", "graphs/grpo_smollm2_lora.yaml", "--actor", str(run_dir), "--limit", "4",
                  "--k", "1", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["summary"]["prompts"] == 4
+
+
+def test_weight_sync_picks_the_lora_path(llama_dir):
+    """Adapters by default; merged weights for vLLM under lora_sync: merged; the transformers
+    rollout always shares the module (no merged weights copied into its LoRA layers)."""
+    from hybridflow.hybrid_engine.sync import sync_adapters, sync_merged, weight_sync
+    from hybridflow.spec.graph import RolloutSpec
+
+    engine, model, tokenizer = _lora_engine(llama_dir)
+    chosen = {
+        (name, how): weight_sync(engine, RolloutSpec(engine=name, lora_sync=how)).func
+        for name in ("hf", "vllm") for how in ("adapter", "merged")
+    }
+    assert chosen == {("hf", "adapter"): sync_adapters, ("hf", "merged"): sync_adapters,
+                      ("vllm", "adapter"): sync_adapters, ("vllm", "merged"): sync_merged}
+    hf = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    assert weight_sync(engine, RolloutSpec(engine="hf", lora_sync="merged"))(hf)["weight_sync/bytes"] == 0.0

@@ -127,6 +127,10 @@ class TrainEngine(abc.ABC):
         or None without adapters."""
         return None
 
+    def merged_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights (HF names) with the LoRA adapters merged in (LoRA engines only)."""
+        raise ValueError(f"{type(self).__name__} trains no LoRA adapters")
+
     def adapters_disabled(self):
         """A context in which forwards compute as the base model (LoRA engines only)."""
         raise ValueError(f"{type(self).__name__} trains no LoRA adapters")

@@ -7,7 +7,8 @@
   of its weights is held.
 - :func:`base_named_weights` gives the frozen base under plain HF names (what a rollout engine
   with its own copy of the weights starts from); afterwards only the adapters move
-  (``RolloutEngine.load_adapter``).
+  (``RolloutEngine.load_adapter``), or, with ``rollout.lora_sync: merged``, the weights with
+  the adapters merged in (:func:`merged_named_weights`, through ``load_weights``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,29 @@ def base_named_weights(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if any(marker in name for marker in _ADAPTER_MARKERS):
             continue
         yield name.replace(".base_layer.", "."), param.detach()
+
+
+def merged_named_weights(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``module``'s weights with its LoRA adapters merged in, under plain HF names: each adapted
+    layer's ``W + scaling * B @ A`` (peft's ``get_delta_weight``), computed one layer at a time
+    and handed over as a fresh tensor; every other weight as it is (shared storage)."""
+    from peft.tuners.lora import LoraLayer
+
+    adapted = {
+        f"{name}.base_layer.weight": layer
+        for name, layer in module.named_modules()
+        if isinstance(layer, LoraLayer) and layer.active_adapters and not layer.merged
+    }
+    for name, param in module.named_parameters():
+        if any(marker in name for marker in _ADAPTER_MARKERS):
+            continue
+        weight = param.detach()
+        layer = adapted.get(name)
+        if layer is not None:
+            with torch.no_grad():
+                for adapter in layer.active_adapters:
+                    weight = weight + layer.get_delta_weight(adapter)
+        yield name.replace(".base_layer.", "."), weight
 
 
 class BaseModelEngine(TrainEngine):

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hybridflow.algos import count_sequences, entropy_from_logits, log_probs_from_logits
 from hybridflow.data import keys as K
 from hybridflow.engines.base import LossFn, ModelKind, TrainEngine
-from hybridflow.engines.lora import add_lora
+from hybridflow.engines.lora import add_lora, merged_named_weights
 from hybridflow.engines.packing import pack, pack_shared_prompts
 from hybridflow.engines.schedule import lr_factor
 from hybridflow.spec.graph import TrainEngineSpec
@@ -395,6 +395,11 @@ class TorchTrainEngine(TrainEngine):
         if self.peft is None:
             return super().adapters_disabled()
         return self.peft.disable_adapter()
+
+    def merged_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.peft is None:
+            return super().merged_weights()
+        return merged_named_weights(self.module)
 
     def adapter_weights(self) -> dict[str, torch.Tensor] | None:
         if self.peft is None:

@@ -4,7 +4,8 @@ Three cases, chosen by the train engine (``weight_sync``):
 
 - **LoRA** (:func:`sync_adapters`): a torch engine training adapters (``adapter_config()``).
   The rollout engine holds the frozen base since its start and takes the adapters only:
-  vLLM as a LoRA adapter, the transformers rollout by sharing the module.
+  vLLM as a LoRA adapter, the transformers rollout by sharing the module; or, under
+  ``rollout.lora_sync: merged`` (:func:`sync_merged`), vLLM takes the merged weights.
 - **Same layout** (:func:`sync_weights`): the torch train engine and a rollout engine in one
   process. The transformers rollout engine generates from the train engine's own module:
   ``load_weights`` finds every tensor already in place and copies nothing. vLLM keeps its own copy
@@ -37,6 +38,8 @@ def weight_sync(engine: TrainEngine, rollout: RolloutSpec) -> WeightSync:
     when it holds a training shard, else as its full named weights. Building the resharded one
     is collective: every rank of the group calls this."""
     if engine.adapter_config() is not None:
+        if rollout.lora_sync == "merged" and rollout.engine == "vllm":  # hf shares the module
+            return partial(sync_merged, engine)
         return partial(sync_adapters, engine)
     shard = engine.train_shard()
     if shard is None:
@@ -50,6 +53,14 @@ def sync_weights(train: TrainEngine, rollout: RolloutEngine) -> dict[str, float]
     train engine's module)."""
     start = time.perf_counter()
     moved = rollout.load_weights(train.named_weights())
+    return {"timing/weight_sync": time.perf_counter() - start, "weight_sync/bytes": float(moved)}
+
+
+def sync_merged(train: TrainEngine, rollout: RolloutEngine) -> dict[str, float]:
+    """A LoRA actor under ``rollout.lora_sync: merged``: the weights with the adapters merged
+    in, through ``load_weights`` (a rollout engine started without LoRA)."""
+    start = time.perf_counter()
+    moved = rollout.load_weights(train.merged_weights())
     return {"timing/weight_sync": time.perf_counter() - start, "weight_sync/bytes": float(moved)}
 
 

@@ -250,6 +250,16 @@ class RolloutSpec(Spec):
         "all-gather inside each micro-DP group (HybridFlow's 3D-HybridEngine), or gather the "
         "whole model-parallel group and re-slice. Ignored for a torch actor (same layout).",
     )
+    lora_sync: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="A LoRA actor (train.lora) with the vLLM rollout: 'adapter' loads the "
+        "adapters into vLLM as a LoRA adapter (each sync moves the adapters only; vLLM runs "
+        "its LoRA kernels while generating); 'merged' merges them into the base weights in the "
+        "train process and loads the full weights (each sync moves the whole model; vLLM "
+        "generates at the base model's speed: on CPU, vLLM 0.32's LoRA kernels made SmolLM2 "
+        "generation ~3x slower per token, benchmarks/RESULTS.md). The transformers rollout "
+        "shares the module either way.",
+    )
     log_prob_tolerance: float | None = Field(
         None,
         gt=0,

@@ -122,7 +122,8 @@ class ModelWorker(Worker):
                     max_num_seqs=data.prompts_per_iteration * rollout.n,
                     seed=seed * 1000 + rank,
                     temperature=rollout.temperature,
-                    adapter_config=engine.adapter_config(),
+                    # vLLM starts with LoRA only when it will take adapters, not merged weights
+                    adapter_config=None if rollout.lora_sync == "merged" else engine.adapter_config(),
                 )
                 self.weight_syncs[name] = weight_sync(engine, rollout)  # collective when resharded
         for name, actor in served.items():
