@@ -162,7 +162,7 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_bit_exact(ray_session, t
 
     overrides = SMALL + ["trainer.iterations=4", "trainer.save_interval=2", "trainer.val_interval=0",
                          "models.actor.train.lora.rank=8", "models.actor.train.optim.lr=0.01",
-                         "trainer.save_final=true"]
+                         "trainer.save_final=true", "models.actor.train.lora.save_merged=true"]
     graph = load_graph(GRPO, overrides)
     Trainer(graph, run_dir=str(tmp_path / "full")).fit()
     Trainer(graph, run_dir=str(tmp_path / "split")).fit(stop_after=2)
@@ -180,6 +180,19 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_bit_exact(ray_session, t
     # the saved actor is the adapters (peft's files), loadable on the base
     actor = tmp_path / "full" / "actor"
     assert (actor / "adapter_config.json").is_file() and (actor / "adapter_model.safetensors").is_file()
+    # save_merged: beside them a plain HF model, the adapters merged into the base
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from transformers import AutoTokenizer
+
+    merged = AutoModelForCausalLM.from_pretrained(actor / "merged")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "full" / "tokenizer")
+    base = build_causal_lm(graph.spec.models["actor"].source, len(tokenizer), tokenizer.pad_token_id,
+                           tokenizer.eos_token_id, seed=0)
+    want = PeftModel.from_pretrained(base, actor).merge_and_unload().state_dict()
+    got = merged.state_dict()
+    assert got.keys() == want.keys() and all(torch.allclose(got[k], want[k]) for k in want)
 
 
 @pytest.mark.slow
