@@ -50,6 +50,7 @@ EXEMPT = {
     r"--address auto\b": "needs a running Ray cluster; `ray.init(address=...)` is Ray's own code path",
     r"^tensorboard\b": "starts a web server; the event files it reads are checked in tests/test_loggers.py",
     r"grpo_smollm2\.yaml|runs/smollm2\b": "tests/test_smollm2.py runs the SmolLM2 run, both evals and the plot, shrunk",
+    r"grpo_smollm2_lora\.yaml|runs/lora\b": "tests/test_lora.py runs the LoRA graph and an eval of its adapters, shrunk",
     # Runs another test already makes (`test_exempt_commands_are_run_elsewhere` checks it still does).
     r"^hybridflow run graphs/(ppo|rloo|safe_rlhf)\.yaml --run-dir runs/\w+$": (
         "tests/test_algorithms_learn.py runs each graph's full default run"
@@ -88,6 +89,7 @@ COVERED_BY = {
     "tests/test_megatron_grpo.py": ['"grpo_megatron.yaml"', ".fit()"],
     "tests/test_loggers.py": ["def test_tensorboard_writes_scalars"],
     "tests/test_smollm2.py": ['main(["eval", GRAPH', 'main(["plot"'],
+    "tests/test_lora.py": ['main(["run", "graphs/grpo_smollm2_lora.yaml"', 'main(["eval", "graphs/grpo_smollm2_lora.yaml"'],
     "tests/test_graph.py": ["def test_python_builder_equals_yaml"],
     "examples/custom_reward.py": ['REWARD = "custom_reward:exact_or_partial"', '"ppo"', 'os.environ["PYTHONPATH"]'],
 }
