@@ -160,3 +160,48 @@ def test_validation_imports_no_heavy_packages():
     assert out.returncode == 0, out.stderr
     heavy = eval(out.stdout.strip())
     assert not {"ray", "vllm", "megatron"} & set(heavy), heavy
+
+
+def test_old_log_prob_node_is_flagged_redundant_only_at_one_step_per_batch():
+    """grpo.yaml's old_log_prob feeds an update of one mini-batch and one epoch: redundant. More
+    optimizer steps, or another reader of old_log_probs (KL in the reward), make it needed."""
+    assert list(load_graph(GRPO).redundant_nodes()) == ["old_log_prob"]
+    assert load_graph(GRPO, ["nodes.update_actor.options.mini_batches=2"]).redundant_nodes() == {}
+    assert load_graph(GRPO, ["nodes.update_actor.options.epochs=2"]).redundant_nodes() == {}
+    assert load_graph(ROOT / "graphs" / "ppo.yaml").redundant_nodes() == {}
+    kl_in_reward = ["nodes.advantage.inputs=[responses, scores, old_log_probs, ref_log_probs]",
+                    "nodes.advantage.options.kl_coef=0.01"]
+    assert load_graph(GRPO, kl_in_reward).redundant_nodes() == {}
+
+
+def test_the_updates_first_forward_gives_the_old_log_probs():
+    """What makes the node redundant: the train step's own first forward of a batch equals the
+    no-grad forward an old_log_prob node runs (same engine, same weights)."""
+    import torch
+
+    from hybridflow.data import keys as K
+    from hybridflow.engines.base import SamplingParams
+    from hybridflow.engines.hf_rollout import HFRolloutEngine
+    from hybridflow.engines.models import build_causal_lm
+    from hybridflow.engines.torch_engine import TorchTrainEngine
+    from hybridflow.data.tasks import get_task
+    from hybridflow.data.datasets import collate_prompts
+    from hybridflow.spec.graph import ModelSource, TrainEngineSpec
+
+    tokenizer = get_task("copy").tokenizer()
+    model = build_causal_lm(ModelSource(config={"hidden_size": 64, "num_hidden_layers": 2}), len(tokenizer),
+                            tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0)
+    prompts = collate_prompts([{"prompt": p} for p in ("abc=", "hgfe=")], tokenizer, max_prompt_length=8)
+    torch.manual_seed(0)
+    batch = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id).generate(
+        prompts, SamplingParams(n=4, max_new_tokens=6))
+    engine = TorchTrainEngine(model, TrainEngineSpec(micro_batch_size=4, optim={"lr": 0.1}))
+    old = engine.forward(batch)["log_probs"]
+    seen = []
+
+    def loss_fn(mb, out):
+        seen.append(out["log_probs"].detach())
+        return -(out["log_probs"] * mb[K.RESPONSE_MASK]).sum() / out["num_global_tokens"], {}
+
+    engine.train_step(batch, loss_fn)
+    assert torch.allclose(torch.cat(seen), old, atol=1e-6, rtol=0)

@@ -114,6 +114,8 @@ def _cmd_graph(args: argparse.Namespace) -> int:
     graph = load_graph(args.graph, args.overrides, pools_file=args.pools)
     print(describe(graph))
     print(batch_plan(graph.spec, graph.layouts, graph.file).describe())
+    for name, why in graph.redundant_nodes().items():
+        print(f"note: node {name!r} is redundant: {why}")
     if args.out:
         from hybridflow.graph.render import draw
 

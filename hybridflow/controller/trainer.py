@@ -222,6 +222,8 @@ class Trainer:
         self.checkpointer.mark_start()
         self.logger = RunLoggers(spec.trainer, self.run_dir, self.graph.file)
         tqdm.write(batch_plan(spec, self.graph.layouts, self.graph.file).describe())
+        for name, why in self.graph.redundant_nodes().items():
+            tqdm.write(f"note: node {name!r} is redundant: {why}")
         start_ray(self.address, self.graph.pools.values())
         for pool_name in dict.fromkeys(self.graph.placement.values()):
             pool = ResourcePool(pool_name, self.graph.pools[pool_name])

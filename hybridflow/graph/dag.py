@@ -81,6 +81,33 @@ class Graph:
     def actor(self) -> str:
         return next(name for name, m in self.spec.models.items() if m.role == "actor")
 
+    def redundant_nodes(self) -> dict[str, str]:
+        """Nodes whose outputs the graph could compute for free, with why: a ``log_prob`` node
+        giving an update its ``old_log_probs`` when that update takes one optimizer step per
+        rollout batch (one mini-batch, one epoch) and nothing else reads them (a KL-in-reward
+        advantage does). Its weights are then the rollout's, and the
+        update's own first forward (detached) gives the same log-probs up to float rounding;
+        without the node the update uses exactly that. Leaving it out saves a forward pass."""
+        found = {}
+        for node in self.nodes:
+            if node.op != "update" or "old_log_probs" not in node.inputs:
+                continue
+            options = node.spec.options
+            if options.mini_batches * options.epochs != 1:
+                continue
+            source = self.producers(node).get("old_log_probs")
+            if source is None or source == SOURCE:
+                continue
+            producer = self.node(source)
+            consumers = {dst for _, dst in self.dag.out_edges(producer.name)}
+            if producer.op == "log_prob" and producer.model == node.model and consumers == {node.name}:
+                found[producer.name] = (
+                    f"{node.name} takes one optimizer step per batch (mini_batches 1, epochs 1), so "
+                    "its own first forward gives these log-probs; leave the node (and "
+                    "old_log_probs in its inputs) out to save a forward per iteration"
+                )
+        return found
+
     def base_of(self, model: str) -> str | None:
         """The LoRA actor whose module serves ``model`` with its adapters disabled, or None.
 
