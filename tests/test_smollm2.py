@@ -59,7 +59,9 @@ def test_two_iterations_of_the_shipped_graph_then_eval(tmp_path, monkeypatch, ca
     assert all(0 <= diff < 1e-3 for diff in diffs), diffs
     sample = json.loads((run_dir / "samples.jsonl").read_text().splitlines()[0])
     assert sample["prompt"].startswith("<|im_start|>system\n") and sample["prompt"].endswith("<|im_start|>assistant\n")
-    assert (run_dir / "actor" / "config.json").is_file()
+    # The shipped recipe trains LoRA adapters: the saved actor is peft's files; eval merges them.
+    assert (run_dir / "actor" / "adapter_config.json").is_file()
+    assert all(r["weight_sync/bytes"] > 500e6 for r in rows)  # lora_sync: merged, full weights
 
     evals = {}
     for name, actor in (("base", ["--engine", "hf"]), ("trained", ["--actor", str(run_dir)])):
