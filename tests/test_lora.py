@@ -170,6 +170,13 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_bit_exact(ray_session, t
     assert state["model"] and all(".lora_" in name for name in state["model"])  # adapters only
     assert {key.split(".lora_")[0] for key in state["optim"] if ".lora_" in key}
     assert not any("base_layer" in key for key in state["optim"])
+    # eval takes a LoRA checkpoint: the adapters merged into the graph's actor source
+    from hybridflow.cli.eval import evaluate
+
+    at_2 = evaluate(str(GRPO), overrides, str(latest_checkpoint(tmp_path / "split")), 1, 1, 4, 1.0, "hf")
+    base = evaluate(str(GRPO), overrides, None, 1, 1, 4, 1.0, "hf")
+    assert at_2["summary"]["prompts"] == base["summary"]["prompts"] == 4
+    assert [p["greedy"] for p in at_2["prompts"]] != [p["greedy"] for p in base["prompts"]]
     Trainer(graph, run_dir=str(tmp_path / "split"), resume=True).fit()
     full, split = metric_rows(tmp_path / "full"), metric_rows(tmp_path / "split")
     assert [r["iteration"] for r in split] == [1, 2, 3, 4]

@@ -34,9 +34,10 @@ WeightSync = Callable[[RolloutEngine], dict[str, float]]  # one call per iterati
 
 
 def weight_sync(engine: TrainEngine, rollout: RolloutSpec) -> WeightSync:
-    """How ``engine``'s weights reach its rollout engine each iteration: through the resharder
-    when it holds a training shard, else as its full named weights. Building the resharded one
-    is collective: every rank of the group calls this."""
+    """How ``engine``'s weights reach its rollout engine each iteration: its adapters (or the
+    weights with them merged in) when it trains LoRA, through the resharder when it holds a
+    training shard, else as its full named weights. Building the resharded one is collective:
+    every rank of the group calls this."""
     if engine.adapter_config() is not None:
         if rollout.lora_sync == "merged" and rollout.engine == "vllm":  # hf shares the module
             return partial(sync_merged, engine)
