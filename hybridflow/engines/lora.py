@@ -23,8 +23,12 @@ from torch import nn
 from hybridflow.engines.base import LossFn, TrainEngine
 from hybridflow.spec.graph import LoraSpec
 
-# The parameter names peft gives its own tensors; the wrapped layer's are under ``base_layer``.
-_ADAPTER_MARKERS = (".lora_", ".lora_magnitude_vector")
+def _base_name(name: str) -> str | None:
+    """The HF name of a parameter of a peft-wrapped module (``...q_proj.base_layer.weight`` ->
+    ``...q_proj.weight``), or None for an adapter's own tensor (``lora_A``, ``lora_B``, ...)."""
+    if ".lora_" in name:
+        return None
+    return name.replace(".base_layer.", ".")
 
 
 def add_lora(model: nn.Module, lora: LoraSpec, seed: int = 0):
@@ -51,9 +55,8 @@ def base_named_weights(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     ``...q_proj.weight``), adapters left out; tied weights once. Works on a module without
     adapters too (the names are then its own)."""
     for name, param in module.named_parameters():
-        if any(marker in name for marker in _ADAPTER_MARKERS):
-            continue
-        yield name.replace(".base_layer.", "."), param.detach()
+        if (base := _base_name(name)) is not None:
+            yield base, param.detach()
 
 
 def merged_named_weights(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -68,15 +71,14 @@ def merged_named_weights(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]
         if isinstance(layer, LoraLayer) and layer.active_adapters and not layer.merged
     }
     for name, param in module.named_parameters():
-        if any(marker in name for marker in _ADAPTER_MARKERS):
+        if (base := _base_name(name)) is None:
             continue
         weight = param.detach()
-        layer = adapted.get(name)
-        if layer is not None:
+        if (layer := adapted.get(name)) is not None:
             with torch.no_grad():
                 for adapter in layer.active_adapters:
                     weight = weight + layer.get_delta_weight(adapter)
-        yield name.replace(".base_layer.", "."), weight
+        yield base, weight
 
 
 class BaseModelEngine(TrainEngine):
