@@ -1,0 +1,178 @@
+"""Issue 20's foundation: rollout correction in the actor update, weight versions on every
+sample, and the ``trainer.async`` spec.
+
+Fast tests: the options and their one-line errors, the loss with IS weights, the staleness
+statistic. Slow tests: short GRPO runs on real Ray, gloo and a transformers model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from hybridflow.data import keys as K
+from hybridflow.graph.dag import load_graph
+from hybridflow.spec.loading import SpecError
+
+ROOT = Path(__file__).resolve().parent.parent
+GRPO = ROOT / "graphs" / "grpo.yaml"
+CORR = "nodes.update_actor.options.rollout_correction"
+SHORT = [
+    "trainer.val_interval=0", "trainer.progress=false", "trainer.save_final=false",
+    "trainer.save_interval=0", "trainer.sample_interval=0",
+]
+
+
+# -- spec ------------------------------------------------------------------------------------
+
+
+def test_correction_options_load_with_defaults():
+    opts = load_graph(GRPO, [f"{CORR}.reject_level=token"]).node("update_actor").spec.options
+    corr = opts.rollout_correction
+    assert (corr.is_level, corr.is_cap, corr.reject_level, corr.reject_low, corr.reject_high) == ("token", 2.0, "token", 0.5, 2.0)
+    assert opts.old_log_probs == "recomputed"
+    assert load_graph(GRPO).node("update_actor").spec.options.rollout_correction is None
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ([f"{CORR}.is_level=tok"], "nodes[5].options.rollout_correction.is_level"),
+        ([f"{CORR}.reject_low=3"], "nodes[5].options.rollout_correction"),
+        ([f"{CORR}.is_cap=2", "nodes.update_actor.options.old_log_probs=rollout"], "nodes[5].options"),
+        # pi_old must reach the update: no old_log_probs input, no correction
+        ([f"{CORR}.is_cap=2", "nodes.update_actor.inputs=[responses,ref_log_probs,advantages]"],
+         "nodes[5].options.rollout_correction"),
+    ],
+)
+def test_bad_correction_options_are_one_line(overrides, field):
+    with pytest.raises(SpecError) as info:
+        load_graph(GRPO, overrides)
+    message = str(info.value)
+    assert "\n" not in message and f"grpo.yaml: {field}:" in message
+
+
+def test_old_log_probs_from_rollout_makes_the_recompute_redundant():
+    graph = load_graph(GRPO, ["nodes.update_actor.options.old_log_probs=rollout", "nodes.update_actor.options.mini_batches=2"])
+    assert "old_log_prob" in graph.redundant_nodes()
+    corrected = load_graph(GRPO, [f"{CORR}.is_cap=2", "nodes.update_actor.options.mini_batches=1"])
+    assert "old_log_prob" not in corrected.redundant_nodes()  # the correction reads it up front
+
+
+# -- the loss --------------------------------------------------------------------------------
+
+
+def _micro_batch(weights: torch.Tensor | None = None) -> tuple[TensorDict, dict]:
+    log_probs = torch.tensor([[-1.0, -2.0], [-0.5, -0.7]], requires_grad=True)
+    fields = {
+        K.RESPONSE_MASK: torch.tensor([[1, 1], [1, 0]]),
+        K.OLD_LOG_PROBS: log_probs.detach().clone(),
+        K.ROLLOUT_LOG_PROBS: torch.tensor([[-1.5, -2.0], [-0.5, -9.0]]),
+        K.ADVANTAGES: torch.tensor([[1.0, 1.0], [-2.0, -2.0]]),
+    }
+    if weights is not None:
+        fields[K.ROLLOUT_IS_WEIGHTS] = weights
+    out = {"log_probs": log_probs, "entropy": torch.zeros(2, 2),
+           "num_global_tokens": torch.tensor(3.0), "num_global_seqs": torch.tensor(2.0)}
+    return TensorDict(fields, batch_size=[2]), out
+
+
+def test_is_weights_scale_the_policy_loss_per_token():
+    from hybridflow.spec.graph import UpdateOptions
+    from hybridflow.workers.model_worker import ModelWorker
+
+    loss_fn = ModelWorker._policy_loss(UpdateOptions())
+    # ratio 1 everywhere (old = current): the ppo_clip loss of a token is -A.
+    plain, _ = loss_fn(*_micro_batch())
+    assert float(plain.detach()) == pytest.approx((-1 - 1 + 2) / 3)
+    weighted, metrics = loss_fn(*_micro_batch(torch.tensor([[2.0, 0.5], [0.25, 0.0]])))
+    assert float(weighted.detach()) == pytest.approx((-2 * 1 - 0.5 * 1 + 0.25 * 2) / 3)
+    assert metrics["pg_loss"] == pytest.approx((-2 - 0.5 + 0.5) / 3)
+
+
+def test_old_log_probs_rollout_puts_the_rollout_in_the_ratio():
+    from hybridflow.spec.graph import UpdateOptions
+    from hybridflow.workers.model_worker import ModelWorker
+
+    loss_fn = ModelWorker._policy_loss(UpdateOptions(old_log_probs="rollout", clip_ratio=10.0))
+    _, metrics = loss_fn(*_micro_batch())
+    # ratios pi / pi_rollout on the valid tokens: e^0.5, 1, 1 (the masked -9 is not counted)
+    assert metrics["ratio_mean"] == pytest.approx((math.exp(0.5) + 2) / 3)
+
+
+def test_apply_rollout_correction_writes_weights_and_narrows_the_mask():
+    from hybridflow.spec.graph import UpdateOptions
+    from hybridflow.workers.algo_steps import apply_rollout_correction
+
+    batch, _ = _micro_batch()
+    opts = UpdateOptions(rollout_correction={"is_level": "token", "is_cap": 2.0, "reject_level": "token",
+                                             "reject_low": 0.5, "reject_high": 1.5})
+    metrics = apply_rollout_correction(batch, opts)
+    # ratios pi_old / pi_rollout: e^0.5 = 1.65 (rejected, > 1.5), 1, 1
+    assert batch[K.RESPONSE_MASK].tolist() == [[0, 1], [1, 0]]
+    assert batch[K.ROLLOUT_IS_WEIGHTS].tolist() == [[0.0, 1.0], [1.0, 0.0]]
+    assert metrics == pytest.approx({
+        "rollout_corr/is_weight_mean": 1.0, "rollout_corr/is_weight_max": 1.0, "rollout_corr/is_weight_min": 1.0,
+        "rollout_corr/clipped_frac": 0.0, "rollout_corr/masked_frac": 1 / 3, "rollout_corr/rejected_seq_frac": 0.0,
+    })
+
+
+def test_staleness_statistic():
+    from hybridflow.workers.algo_steps import staleness
+
+    batch = TensorDict({K.WEIGHT_VERSION: torch.tensor([3, 3, 2, 1])}, batch_size=[4])
+    assert staleness(batch, 3) == {"async/staleness_mean": 0.75, "async/staleness_max": 2.0}
+
+
+# -- end to end ------------------------------------------------------------------------------
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_grpo_with_rollout_correction_reports_sane_metrics(ray_session, tmp_path):
+    from hybridflow.controller.trainer import Trainer
+
+    overrides = [*SHORT, "trainer.iterations=3", f"{CORR}.is_level=token", f"{CORR}.is_cap=2.0",
+                 f"{CORR}.reject_level=geometric", f"{CORR}.reject_low=0.5", f"{CORR}.reject_high=2.0"]
+    Trainer(load_graph(GRPO, overrides), run_dir=str(tmp_path / "run")).fit()
+    rows = _rows(tmp_path / "run")
+    assert len(rows) == 3
+    for row in rows:
+        # Sync mode, transformers rollout sharing the actor's module: pi_old and pi_rollout are
+        # the same weights, so weights ~1, nothing clipped or rejected, staleness 0.
+        assert 0.0 < row["rollout_corr/is_weight_min"] <= row["rollout_corr/is_weight_mean"] <= row["rollout_corr/is_weight_max"] <= 2.0
+        assert abs(row["rollout_corr/is_weight_mean"] - 1.0) < 1e-3
+        assert row["rollout_corr/clipped_frac"] == 0.0 and row["rollout_corr/masked_frac"] == 0.0
+        assert row["rollout_corr/rejected_seq_frac"] == 0.0
+        assert row["async/staleness_mean"] == 0.0 and row["async/staleness_max"] == 0.0
+        assert math.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0.0
+
+
+@pytest.mark.slow
+def test_weight_versions_follow_the_syncs(ray_session, tmp_path):
+    """A skipped weight sync (test hook) leaves the rollout engine's version behind: the next
+    iteration's samples carry the old version and the update reports staleness 1."""
+    import ray
+
+    from hybridflow.controller.trainer import Trainer
+
+    trainer = Trainer(load_graph(GRPO, [*SHORT, "trainer.iterations=4"]), run_dir=str(tmp_path / "run"))
+
+    def skip_one_sync(t, iteration, metrics):
+        if iteration == 1:
+            ray.get(t.groups["default"].call("inject_stale_rollout", model="actor", count=1))
+
+    trainer.callbacks.append(skip_one_sync)
+    trainer.fit()
+    rows = _rows(tmp_path / "run")
+    # iteration 2's update skips its sync, so iteration 3 generates with version 1 at version 2
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
+    assert [r["async/staleness_mean"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
