@@ -176,3 +176,63 @@ def test_weight_versions_follow_the_syncs(ray_session, tmp_path):
     # iteration 2's update skips its sync, so iteration 3 generates with version 1 at version 2
     assert [r["async/staleness_max"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
     assert [r["async/staleness_mean"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
+
+
+# -- trainer.async ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "graph, overrides, field",
+    [
+        (GRPO, ["trainer.async.mode=streaming"], "trainer.async.mode"),
+        (GRPO, ["trainer.async.mode=one_step_off", "trainer.async.max_staleness=0"], "trainer.async"),
+        (GRPO, ["trainer.async_.mode=sync"], "trainer.async_"),  # the file spells it async
+        (ROOT / "graphs" / "dapo.yaml", ["trainer.async.mode=one_step_off"], "trainer.async.mode"),
+    ],
+)
+def test_bad_async_settings_are_one_line(graph, overrides, field):
+    with pytest.raises(SpecError) as info:
+        load_graph(graph, overrides)
+    message = str(info.value)
+    assert "\n" not in message and f".yaml: {field}:" in message
+
+
+def test_async_defaults_to_sync_and_is_written_as_async():
+    spec = load_graph(GRPO, ["trainer.async.mode=one_step_off"]).spec
+    assert load_graph(GRPO).spec.trainer.async_.mode == "sync"
+    assert spec.trainer.model_dump(mode="json")["async"] == {"mode": "one_step_off", "max_staleness": 1}
+
+
+@pytest.mark.slow
+def test_one_step_off_trains_one_update_behind_and_resumes(ray_session, tmp_path):
+    """Generation k+1 goes before update k: samples are 1 update old from iteration 2 on, the
+    correction sees pi_old differ from the sampler, and a checkpoint's dataset position counts
+    trained batches only (the buffered one is drawn again on resume)."""
+    from hybridflow.controller.checkpoint import checkpoint_dir, load_controller_state
+    from hybridflow.controller.trainer import Trainer
+
+    overrides = [*SHORT, "trainer.iterations=4", "trainer.save_interval=2", "trainer.async.mode=one_step_off",
+                 f"{CORR}.is_level=token", f"{CORR}.is_cap=2.0"]
+    run_dir = tmp_path / "run"
+    Trainer(load_graph(GRPO, overrides), run_dir=str(run_dir)).fit(stop_after=3)
+    rows = _rows(run_dir)
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["async/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0]
+    per_iteration = 16
+    state = load_controller_state(checkpoint_dir(run_dir, 2))["dataset"]
+    assert (state["position"], state["next_uid"]) == (2 * per_iteration, 2 * per_iteration)
+    # Sampled one update ago: the sampler's log-probs differ from pi_old; in sync they agree.
+    for row in rows[1:]:
+        assert row["actor/rollout_log_prob_diff_mean"] > 1e-4, row["actor/rollout_log_prob_diff_mean"]
+        w = row["rollout_corr/is_weight_mean"]
+        assert 0.0 < row["rollout_corr/is_weight_min"] <= w <= row["rollout_corr/is_weight_max"] <= 2.0
+        assert w != 1.0
+    assert rows[0]["actor/rollout_log_prob_diff_mean"] < 1e-4
+
+    # Resume from iteration 2: iteration 3 regenerates from the restored weights (staleness 0).
+    Trainer(load_graph(GRPO, overrides), run_dir=str(run_dir), resume=True).fit()
+    rows = _rows(run_dir)
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
+    state = load_controller_state(checkpoint_dir(run_dir, 4))["dataset"]
+    assert (state["position"], state["next_uid"]) == (4 * per_iteration, 4 * per_iteration)

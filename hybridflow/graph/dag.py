@@ -392,6 +392,12 @@ def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node
             raise SpecError(file, f"models.{name}.train.lora", f"LoRA is for the actor (role is {model.role})")
     nodes = _resolve_nodes(spec, file)
     _check_rollout_correction(nodes, file)
+    if spec.trainer.async_.mode != "sync" and any(OPS[n.op].refills for n in nodes):
+        raise SpecError(
+            file, "trainer.async.mode",
+            f"{spec.trainer.async_.mode} runs generation ahead of the iteration; a filter node "
+            "(dynamic sampling) re-runs it inside the iteration: use mode sync",
+        )
     dag = _build_dag(nodes, file)
     _route_through_filters(nodes, dag, file)
     nodes = [_fill_slots(node, file, f"nodes[{i}]") for i, node in enumerate(nodes)]

@@ -617,8 +617,44 @@ class DataSpec(Spec):
     num_val: int = Field(64, ge=0, description="Held-out prompts scored greedily.")
 
 
+ASYNC_MODES_IMPLEMENTED = ("sync", "one_step_off")
+
+
+class AsyncSpec(Spec):
+    """How generation overlaps training (``trainer.async``). Every sample carries the policy
+    version that generated it (``weight_version``); the update reports async/staleness_mean and
+    async/staleness_max (actor updates between generation and training)."""
+
+    mode: Literal["sync", "one_step_off", "streaming"] = Field(
+        "sync",
+        description="sync: generate, then train, each iteration (staleness 0). one_step_off: "
+        "iteration k+1's generation is submitted before iteration k's update, so it samples from "
+        "the weights before that update (staleness 1; pair it with an update's "
+        "rollout_correction). streaming: not implemented yet.",
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="K: a batch is trained only if its samples lag the trainer by at most "
+        "K actor updates (one_step_off needs K >= 1)."
+    )
+
+    @field_validator("mode")
+    @classmethod
+    def _mode_available(cls, mode: str) -> str:
+        if mode not in ASYNC_MODES_IMPLEMENTED:
+            raise ValueError(f"{mode!r} is not implemented yet; use one of {', '.join(ASYNC_MODES_IMPLEMENTED)}")
+        return mode
+
+    @model_validator(mode="after")
+    def _bound_allows_mode(self) -> "AsyncSpec":
+        if self.mode == "one_step_off" and self.max_staleness < 1:
+            raise ValueError("max_staleness must be >= 1 for mode one_step_off (its samples are 1 update old)")
+        return self
+
+
 class TrainerSpec(Spec):
     """Length of the run, seeds, validation, logging and what is saved."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True)
 
     iterations: int = Field(60, ge=1, description="Iterations (rollout + update) to run.")
     seed: int = Field(0, description="Seed of model init and sampling.")
@@ -662,6 +698,11 @@ class TrainerSpec(Spec):
     nan_tolerance: int = Field(
         3, ge=1, description="Stop after this many iterations in a row whose update was skipped "
         "for a non-finite loss or gradient."
+    )
+    async_: AsyncSpec = Field(
+        default_factory=AsyncSpec,
+        alias="async",  # a Python keyword: the attribute is async_
+        description="Overlap of generation and training, and the staleness bound.",
     )
 
 

@@ -310,6 +310,10 @@ class ModelWorker(Worker):
             extra.update(algo_steps.apply_rollout_correction(batch, opts, self._dp_group(model)))
         if model in self.train_versions and K.WEIGHT_VERSION in batch.keys():
             extra.update(algo_steps.staleness(batch, self.train_versions[model], self._dp_group(model)))
+            bound = self.spec.trainer.async_
+            assert bound.mode == "sync" or extra["async/staleness_max"] <= bound.max_staleness, (
+                f"samples {extra['async/staleness_max']:g} updates old > trainer.async.max_staleness"
+            )
         rollout_stats = ConsistencyStats()
         metrics = self._train(batch, node, self._policy_loss(opts, rollout_stats), rollout_stats)
         metrics.update(extra)
