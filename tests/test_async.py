@@ -236,3 +236,12 @@ def test_one_step_off_trains_one_update_behind_and_resumes(ray_session, tmp_path
     assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
     state = load_controller_state(checkpoint_dir(run_dir, 4))["dataset"]
     assert (state["position"], state["next_uid"]) == (4 * per_iteration, 4 * per_iteration)
+
+
+def test_graph_picture_shows_the_generation_ahead():
+    from hybridflow.graph.render import describe
+
+    lines = describe(load_graph(ROOT / "graphs" / "grpo_async.yaml")).splitlines()
+    ahead = [line for line in lines if "one_step_off: submitted for the next iteration" in line]
+    assert [line.split()[0] for line in ahead] == ["generate"]
+    assert not any("one_step_off" in line for line in describe(load_graph(GRPO)).splitlines())

@@ -125,12 +125,6 @@ def _submit(graph: Graph, node: Node, groups: dict[str, WorkerGroup], inputs: li
     )
 
 
-def generation_nodes(graph: Graph) -> list[Node]:
-    """The nodes that generate from the prompts alone (what one-step off-policy runs one
-    iteration ahead)."""
-    return [n for n in graph.nodes if graph.op(n).generates and set(graph.producers(n).values()) <= {SOURCE}]
-
-
 def launch(graph: Graph, nodes: list[Node], groups: dict[str, WorkerGroup], prompts: ShardedRef) -> dict[str, _Pending]:
     """Submit ``nodes`` (each reading only the prompts) now, without waiting; hand the result
     to ``run_nodes(..., launched=...)`` later. Their worker groups run them before any call

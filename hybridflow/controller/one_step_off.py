@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hybridflow.controller.executor import generation_nodes, launch
+from hybridflow.controller.executor import launch
 from hybridflow.data.datasets import PromptDataset
-from hybridflow.graph.dag import Graph
+from hybridflow.graph.dag import Graph, generation_nodes
 from hybridflow.workers.sharded import ShardedRef
 
 

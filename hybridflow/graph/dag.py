@@ -271,6 +271,12 @@ def _route_through_filters(nodes: list[Node], dag: nx.DiGraph, file: str) -> Non
                 dag.add_edge(filt.name, dst, keys=list(keys))
 
 
+def generation_nodes(graph: "Graph") -> list[Node]:
+    """The nodes that generate from the prompts alone: what ``trainer.async.mode:
+    one_step_off`` runs one iteration ahead."""
+    return [n for n in graph.nodes if OPS[n.op].generates and set(graph.producers(n).values()) <= {SOURCE}]
+
+
 def refilled_nodes(graph: "Graph", filt: Node) -> list[Node]:
     """The nodes a refilling node re-runs each round (its ancestors), in execution order."""
     before = nx.ancestors(graph.dag, filt.name)
