@@ -264,7 +264,8 @@ class RolloutSpec(Spec):
         None,
         gt=0,
         description="Stop the run if rollout and training log-probs differ by more than this "
-        "(mean absolute difference); null = only report.",
+        "(mean absolute difference); null = only report. Checked in trainer.async.mode sync "
+        "only (off-policy modes sample from older weights by design).",
     )
 
 

@@ -321,7 +321,8 @@ class ModelWorker(Worker):
         consistency = rollout_stats.reduce(self._dp_group(model))
         metrics.update({f"actor/{k}": v for k, v in consistency.items()})
         rollout = self.spec.models[model].rollout
-        if rollout is not None:
+        # Off-policy modes train on samples of older weights by design: report, do not stop.
+        if rollout is not None and self.spec.trainer.async_.mode == "sync":
             check_consistency(consistency, rollout.log_prob_tolerance, model=model, engine=rollout.engine)
         if model in self.rollout_engines:
             self.train_versions[model] += 1
