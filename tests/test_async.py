@@ -26,6 +26,7 @@ SHORT = [
     "trainer.val_interval=0", "trainer.progress=false", "trainer.save_final=false",
     "trainer.save_interval=0", "trainer.sample_interval=0",
 ]
+SMALL = [*SHORT, "data.prompts_per_iteration=4", "models.actor.rollout.n=4"]  # 16 samples/iteration
 
 
 # -- spec ------------------------------------------------------------------------------------
@@ -137,34 +138,18 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_grpo_with_rollout_correction_reports_sane_metrics(ray_session, tmp_path):
-    from hybridflow.controller.trainer import Trainer
-
-    overrides = [*SHORT, "trainer.iterations=3", f"{CORR}.is_level=token", f"{CORR}.is_cap=2.0",
-                 f"{CORR}.reject_level=geometric", f"{CORR}.reject_low=0.5", f"{CORR}.reject_high=2.0"]
-    Trainer(load_graph(GRPO, overrides), run_dir=str(tmp_path / "run")).fit()
-    rows = _rows(tmp_path / "run")
-    assert len(rows) == 3
-    for row in rows:
-        # Sync mode, transformers rollout sharing the actor's module: pi_old and pi_rollout are
-        # the same weights, so weights ~1, nothing clipped or rejected, staleness 0.
-        assert 0.0 < row["rollout_corr/is_weight_min"] <= row["rollout_corr/is_weight_mean"] <= row["rollout_corr/is_weight_max"] <= 2.0
-        assert abs(row["rollout_corr/is_weight_mean"] - 1.0) < 1e-3
-        assert row["rollout_corr/clipped_frac"] == 0.0 and row["rollout_corr/masked_frac"] == 0.0
-        assert row["rollout_corr/rejected_seq_frac"] == 0.0
-        assert row["async/staleness_mean"] == 0.0 and row["async/staleness_max"] == 0.0
-        assert math.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0.0
-
-
-@pytest.mark.slow
-def test_weight_versions_follow_the_syncs(ray_session, tmp_path):
-    """A skipped weight sync (test hook) leaves the rollout engine's version behind: the next
-    iteration's samples carry the old version and the update reports staleness 1."""
+def test_grpo_with_rollout_correction_and_version_tags(ray_session, tmp_path):
+    """Sync GRPO with the correction on: its metrics are sane (the transformers rollout shares
+    the actor's module, so pi_old = pi_rollout: weights ~1, nothing clipped or rejected). A
+    skipped weight sync (test hook) in iteration 2 leaves the rollout engine's version behind:
+    iteration 3's samples carry version 1 at trainer version 2, staleness 1."""
     import ray
 
     from hybridflow.controller.trainer import Trainer
 
-    trainer = Trainer(load_graph(GRPO, [*SHORT, "trainer.iterations=4"]), run_dir=str(tmp_path / "run"))
+    overrides = [*SMALL, "trainer.iterations=4", f"{CORR}.is_level=token", f"{CORR}.is_cap=2.0",
+                 f"{CORR}.reject_level=geometric", f"{CORR}.reject_low=0.5", f"{CORR}.reject_high=2.0"]
+    trainer = Trainer(load_graph(GRPO, overrides), run_dir=str(tmp_path / "run"))
 
     def skip_one_sync(t, iteration, metrics):
         if iteration == 1:
@@ -173,9 +158,14 @@ def test_weight_versions_follow_the_syncs(ray_session, tmp_path):
     trainer.callbacks.append(skip_one_sync)
     trainer.fit()
     rows = _rows(tmp_path / "run")
-    # iteration 2's update skips its sync, so iteration 3 generates with version 1 at version 2
     assert [r["async/staleness_max"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
     assert [r["async/staleness_mean"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
+    for row in rows:
+        assert 0.0 < row["rollout_corr/is_weight_min"] <= row["rollout_corr/is_weight_mean"] <= row["rollout_corr/is_weight_max"] <= 2.0
+        assert abs(row["rollout_corr/is_weight_mean"] - 1.0) < 1e-3
+        assert row["rollout_corr/clipped_frac"] == 0.0 and row["rollout_corr/masked_frac"] == 0.0
+        assert row["rollout_corr/rejected_seq_frac"] == 0.0
+        assert math.isfinite(row["actor/pg_loss"])
 
 
 # -- trainer.async ---------------------------------------------------------------------------
@@ -211,14 +201,17 @@ def test_one_step_off_trains_one_update_behind_and_resumes(ray_session, tmp_path
     from hybridflow.controller.checkpoint import checkpoint_dir, load_controller_state
     from hybridflow.controller.trainer import Trainer
 
-    overrides = [*SHORT, "trainer.iterations=4", "trainer.save_interval=2", "trainer.async.mode=one_step_off",
+    # 8 x 16 samples: groups with differing rewards from the start, so each update moves the
+    # weights (an all-zero-advantage update would leave pi_old equal to the sampler)
+    overrides = [*SHORT, "data.prompts_per_iteration=8", "trainer.iterations=4", "trainer.save_interval=2",
+                 "trainer.async.mode=one_step_off",
                  f"{CORR}.is_level=token", f"{CORR}.is_cap=2.0"]
     run_dir = tmp_path / "run"
     Trainer(load_graph(GRPO, overrides), run_dir=str(run_dir)).fit(stop_after=3)
     rows = _rows(run_dir)
     assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
     assert [r["async/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0]
-    per_iteration = 16
+    per_iteration = 8
     state = load_controller_state(checkpoint_dir(run_dir, 2))["dataset"]
     assert (state["position"], state["next_uid"]) == (2 * per_iteration, 2 * per_iteration)
     # Sampled one update ago: the sampler's log-probs differ from pi_old; in sync they agree.
@@ -262,9 +255,8 @@ def test_one_step_off_worker_crash_trains_each_batch_once(ray_session, tmp_path)
     from hybridflow.controller.checkpoint import checkpoint_dir, load_controller_state
     from hybridflow.controller.trainer import Trainer
 
-    small = [*SHORT, "trainer.iterations=5", "trainer.save_interval=2", "trainer.max_restarts=1",
-             "trainer.sample_interval=1", "data.prompts_per_iteration=4", "models.actor.rollout.n=4",
-             "trainer.async.mode=one_step_off"]
+    small = [*SMALL, "trainer.iterations=5", "trainer.save_interval=2", "trainer.max_restarts=1",
+             "trainer.sample_interval=1", "trainer.async.mode=one_step_off"]
     trainer = Trainer(load_graph(GRPO, small), run_dir=str(tmp_path / "killed"))
     killed = []
 
