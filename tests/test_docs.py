@@ -184,7 +184,8 @@ def test_reference_lists_every_field_with_its_default():
         parts = doc.split("\n## ")
         for section in _sections(root, ""):
             body = next(p for p in parts if p.startswith(section.title + "\n"))
-            for name in section.model.model_fields:
+            for attr, field in section.model.model_fields.items():
+                name = field.alias or attr
                 assert f"| `{name}` |" in body, f"{section.title}.{name} missing from the reference"
     data = next(p for p in files["graph-file.md"].split("\n## ") if p.startswith("DataSpec\n"))
     default = DataSpec.model_fields["prompts_per_iteration"].default

@@ -39,6 +39,13 @@ from hybridflow.algos.losses import (
     ppo_clip_policy_loss,
     token_mean,
 )
+from hybridflow.algos.rollout_correction import (
+    IS_LEVELS,
+    Correction,
+    correction_metrics,
+    correction_stats,
+    rollout_correction,
+)
 from hybridflow.algos.registry import (
     ADV_ESTIMATORS,
     LOSS_AGGS,
@@ -48,6 +55,11 @@ from hybridflow.algos.registry import (
 )
 
 __all__ = [
+    "IS_LEVELS",
+    "Correction",
+    "correction_metrics",
+    "correction_stats",
+    "rollout_correction",
     "ADV_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",

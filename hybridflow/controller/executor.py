@@ -111,6 +111,27 @@ def _predict_output(
     return ShardedRef(refs=list(handle.data_refs), sizes=[rows] * layout.dp)
 
 
+def _submit(graph: Graph, node: Node, groups: dict[str, WorkerGroup], inputs: list[tuple[ShardedRef, int]]) -> _Pending:
+    """Submit ``node`` on its group with its producers' outputs (and their group sizes)."""
+    group = groups[graph.placement[node.model]]
+    group_size = max(size for _, size in inputs)
+    data = [sharded for sharded, _ in inputs]
+    layout = graph.dispatch_layout(node)
+    handle = group.call(RUN_OP, data, group_size=group_size, layout=layout, **_call_args(graph, node))
+    output_group_size = samples_per_prompt(graph.spec, node, group_size)
+    return _Pending(
+        handle, time.perf_counter(), output_group_size, group,
+        None if graph.op(node).refills else _predict_output(layout, data, group_size, output_group_size, handle),
+    )
+
+
+def launch(graph: Graph, nodes: list[Node], groups: dict[str, WorkerGroup], prompts: ShardedRef) -> dict[str, _Pending]:
+    """Submit ``nodes`` (each reading only the prompts) now, without waiting; hand the result
+    to ``run_nodes(..., launched=...)`` later. Their worker groups run them before any call
+    submitted after this one."""
+    return {node.name: _submit(graph, node, groups, [(prompts, 1)]) for node in nodes}
+
+
 def run_nodes(
     graph: Graph,
     nodes: list[Node],
@@ -119,17 +140,22 @@ def run_nodes(
     *,
     serial: bool = False,
     more_prompts: Callable[[], ShardedRef] | None = None,
+    launched: dict[str, _Pending] | None = None,
 ) -> IterationResult:
     """Run ``nodes`` (a topologically ordered subset of the graph) on ``prompts``.
 
     ``serial``: submit one node at a time, each after the previous one finished.
     ``more_prompts``: fresh prompts (as many as ``prompts``) for a refilling node (dynamic
     sampling, see ``run_refilling``); needed only when ``nodes`` hold one.
+    ``launched``: nodes of ``nodes`` already submitted on ``prompts`` (``launch``), e.g. an
+    iteration ago (one-step off-policy); they are waited for, not submitted again.
     """
     refilling = [node for node in nodes if graph.op(node).refills]
     given = {SOURCE: NodeResult(prompts, 1, [], time.perf_counter(), time.perf_counter())}
     if not refilling:
-        return _run(graph, nodes, groups, given, serial)
+        return _run(graph, nodes, groups, given, serial, launched or {})
+    if launched:
+        raise ValueError("a graph with a refilling node cannot run its generation ahead")
     if more_prompts is None:
         raise ValueError(f"node {refilling[0].name!r} refills its batch: run_nodes needs more_prompts")
     return run_refilling(graph, nodes, refilling[0], groups, prompts, serial, more_prompts)
@@ -221,14 +247,16 @@ def _run(
     groups: dict[str, WorkerGroup],
     given: dict[str, NodeResult],
     serial: bool,
+    launched: dict[str, _Pending] | None = None,
 ) -> IterationResult:
-    """Run ``nodes`` whose producers are among them or in ``given`` (finished results)."""
+    """Run ``nodes`` whose producers are among them or in ``given`` (finished results);
+    ``launched``: those of ``nodes`` already submitted."""
     fetched_before = fetched_tensor_bytes()
     result = IterationResult()
     rank_metas: dict[str, list[dict]] = {}
     results: dict[str, NodeResult] = dict(given)
-    pending: dict[str, _Pending] = {}
-    remaining = list(nodes)
+    pending: dict[str, _Pending] = dict(launched or {})
+    remaining = [node for node in nodes if node.name not in pending]
 
     def producers_of(node: Node) -> list[str]:
         return list(dict.fromkeys(graph.producers(node).values()))
@@ -250,15 +278,7 @@ def _run(
             inputs = [input_of(src, group) for src in producers_of(node)]
             if any(item is None for item in inputs):
                 continue
-            group_size = max(size for _, size in inputs)
-            data = [sharded for sharded, _ in inputs]
-            layout = graph.dispatch_layout(node)
-            handle = group.call(RUN_OP, data, group_size=group_size, layout=layout, **_call_args(graph, node))
-            output_group_size = samples_per_prompt(graph.spec, node, group_size)
-            pending[node.name] = _Pending(
-                handle, time.perf_counter(), output_group_size, group,
-                None if graph.op(node).refills else _predict_output(layout, data, group_size, output_group_size, handle),
-            )
+            pending[node.name] = _submit(graph, node, groups, inputs)
             remaining.remove(node)
         if not pending:
             raise RuntimeError(f"nodes {[n.name for n in remaining]} can never run")

@@ -14,6 +14,13 @@ One iteration (``fit`` -> ``_iterate`` -> ``step``), for any graph; grpo.yaml's 
     callbacks, NaN guard   nan_tolerance skipped updates in a row: RunStopped
     checkpointer.save()    every trainer.save_interval: checkpoints/iter_N, atomic, layout-free
 
+``trainer.async.mode: one_step_off`` (``one_step_off``): ``dataset.next_batch()`` and generate
+run one iteration ahead; iteration k's graph starts from the generation submitted during k-1,
+and generation k+1 is submitted before update k, so it samples from the weights before it::
+
+    iter k:    [generate k+1] old_log_prob k, ref k, reward k, advantage k, update k
+    iter k+1:  (generate k+1, done) old_log_prob k+1, ... update k+1      staleness 1
+
 A lost worker (``recovery``) restarts every group and ``checkpointer.restore()``s the newest
 checkpoint. Components in modules of their own: ``run_dir`` (which directory, refusing another
 run's), ``checkpoint`` (``Checkpointer``), ``recovery`` (``Recovery``, ``NanGuard``).
@@ -34,6 +41,7 @@ from tqdm import tqdm
 from hybridflow.controller.checkpoint import Checkpointer
 from hybridflow.controller.executor import IterationResult, chrome_trace, run_nodes
 from hybridflow.controller.loggers import RunLoggers
+from hybridflow.controller.one_step_off import AheadGeneration
 from hybridflow.controller.preflight import check_engines_installed, check_inputs, check_model_paths, run_tokenizer
 from hybridflow.controller.recovery import NanGuard, Recovery, RunStopped
 from hybridflow.controller.run_dir import RunDir
@@ -97,6 +105,7 @@ class Trainer:
         self.history: list[dict] = []
         self.callbacks: list[Callable[[Trainer, int, dict], None]] = []
         self.extra_state: dict[str, object] = {}
+        self.ahead: AheadGeneration | None = None  # trainer.async.mode one_step_off (_setup)
         self.nan_guard = NanGuard(options.nan_tolerance)
         self.recovery = Recovery(self.dirs.events, options.max_restarts)
         self.checkpointer = Checkpointer(self.dirs, graph, self.extra_state)
@@ -163,11 +172,15 @@ class Trainer:
 
     def step(self, iteration: int) -> dict:
         t0 = time.perf_counter()
-        prompts = self.dataset.next_batch()
         options = self.spec.trainer
+        if self.ahead is not None:  # one-step off-policy: generation k+1 goes before update k
+            prompts, launched = self.ahead.take(self.groups, launch_next=iteration < options.iterations)
+        else:
+            prompts, launched = self._put(self.dataset.next_batch()), None
         result = run_nodes(
-            self.graph, list(self.graph.nodes), self.groups, self._put(prompts), serial=options.serial,
+            self.graph, list(self.graph.nodes), self.groups, prompts, serial=options.serial,
             more_prompts=lambda: self._put(self.dataset.next_batch()),  # dynamic sampling's refills
+            launched=launched,
         )
         if options.trace_interval and iteration % options.trace_interval == 0:
             trace_file = self.dirs.trace(iteration)
@@ -218,7 +231,10 @@ class Trainer:
             self.dirs.check_resume(self.graph)
         self.dirs.write_resolved_config(self.graph)
         tokenizer.save_pretrained(self.dirs.tokenizer)
-        self.checkpointer.components.update(dataset=self.dataset, guard=self.nan_guard)
+        one_step_off = spec.trainer.async_.mode == "one_step_off"
+        self.ahead = AheadGeneration(self.graph, self.dataset, self._put) if one_step_off else None
+        # One-step off-policy: the dataset's position before the buffered generation's prompts.
+        self.checkpointer.components.update(dataset=self.ahead or self.dataset, guard=self.nan_guard)
         self.checkpointer.mark_start()
         self.logger = RunLoggers(spec.trainer, self.run_dir, self.graph.file)
         tqdm.write(batch_plan(spec, self.graph.layouts, self.graph.file).describe())

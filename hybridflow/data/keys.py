@@ -32,10 +32,12 @@ ATTENTION_MASK = "attention_mask"  # (B, T) int64, prompt_mask ++ response_mask
 POSITION_IDS = "position_ids"  # (B, T) int64, cumsum(attention_mask) - 1, clamped at 0
 TRUNCATED = "truncated"  # (B,) bool, response reached max length without EOS
 ROLLOUT_LOG_PROBS = "rollout_log_probs"  # (B, R) float, log-probs the rollout engine sampled with
+WEIGHT_VERSION = "weight_version"  # (B,) int64, policy version (actor updates applied) that generated the sample
 
 # -- forward passes ---------------------------------------------------------------------------
 OLD_LOG_PROBS = "old_log_probs"  # (B, R) float, actor log-probs before the update (behaviour policy)
 REF_LOG_PROBS = "ref_log_probs"  # (B, R) float, reference model log-probs
+ROLLOUT_IS_WEIGHTS = "rollout_is_weights"  # (B, R) float, detached truncated-IS weight (update-internal)
 ENTROPY = "entropy"  # (B, R) float, per-token entropy of the actor's distribution
 VALUES = "values"  # (B, R) float, critic value estimates
 

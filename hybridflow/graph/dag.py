@@ -93,7 +93,9 @@ class Graph:
             if node.op != "update" or "old_log_probs" not in node.inputs:
                 continue
             options = node.spec.options
-            if options.mini_batches * options.epochs != 1:
+            if options.rollout_correction is not None:  # weighs by these log-probs up front
+                continue
+            if options.mini_batches * options.epochs != 1 and options.old_log_probs != "rollout":
                 continue
             source = self.producers(node).get("old_log_probs")
             if source is None or source == SOURCE:
@@ -101,6 +103,12 @@ class Graph:
             producer = self.node(source)
             consumers = {dst for _, dst in self.dag.out_edges(producer.name)}
             if producer.op == "log_prob" and producer.model == node.model and consumers == {node.name}:
+                if options.old_log_probs == "rollout":
+                    found[producer.name] = (
+                        f"{node.name} takes pi_old from the rollout (options.old_log_probs: "
+                        "rollout); leave the node (and old_log_probs in its inputs) out"
+                    )
+                    continue
                 found[producer.name] = (
                     f"{node.name} takes one optimizer step per batch (mini_batches 1, epochs 1), so "
                     "its own first forward gives these log-probs; leave the node (and "
@@ -263,6 +271,12 @@ def _route_through_filters(nodes: list[Node], dag: nx.DiGraph, file: str) -> Non
                 dag.add_edge(filt.name, dst, keys=list(keys))
 
 
+def generation_nodes(graph: "Graph") -> list[Node]:
+    """The nodes that generate from the prompts alone: what ``trainer.async.mode:
+    one_step_off`` runs one iteration ahead."""
+    return [n for n in graph.nodes if OPS[n.op].generates and set(graph.producers(n).values()) <= {SOURCE}]
+
+
 def refilled_nodes(graph: "Graph", filt: Node) -> list[Node]:
     """The nodes a refilling node re-runs each round (its ancestors), in execution order."""
     before = nx.ancestors(graph.dag, filt.name)
@@ -383,12 +397,34 @@ def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node
         if model.train.lora is not None and model.role != "actor":
             raise SpecError(file, f"models.{name}.train.lora", f"LoRA is for the actor (role is {model.role})")
     nodes = _resolve_nodes(spec, file)
+    _check_rollout_correction(nodes, file)
+    if spec.trainer.async_.mode != "sync" and any(OPS[n.op].refills for n in nodes):
+        raise SpecError(
+            file, "trainer.async.mode",
+            f"{spec.trainer.async_.mode} runs generation ahead of the iteration; a filter node "
+            "(dynamic sampling) re-runs it inside the iteration: use mode sync",
+        )
     dag = _build_dag(nodes, file)
     _route_through_filters(nodes, dag, file)
     nodes = [_fill_slots(node, file, f"nodes[{i}]") for i, node in enumerate(nodes)]
     _check_samples_per_prompt(spec, nodes, dag, file)
     by_name = {n.name: n for n in nodes}
     return [by_name[n] for n in nx.topological_sort(dag) if n != SOURCE], dag
+
+
+def _check_rollout_correction(nodes: list[Node], file: str) -> None:
+    """An update with rollout correction weighs by pi_old / pi_rollout: it needs pi_old, the
+    ``old_log_probs`` key, among its inputs (``responses`` brings the rollout's)."""
+    for i, node in enumerate(nodes):
+        if node.op != "update" or node.role != "actor":
+            continue
+        if node.spec.options.rollout_correction is not None and "old_log_probs" not in node.inputs:
+            raise SpecError(
+                file,
+                f"nodes[{i}].options.rollout_correction",
+                f"update {node.name!r} weighs tokens by pi_old / pi_rollout and needs "
+                f"old_log_probs among its inputs {list(node.inputs)} (a log_prob node on the actor)",
+            )
 
 
 # Resolves ``placement: auto`` for a graph validated with everything on the first pool: returns

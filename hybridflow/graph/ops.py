@@ -143,7 +143,7 @@ register_op(Op(
     inputs={"*": ("prompts",)},
     outputs={"*": ("responses",)},
     writes={
-        "responses": (*_ROLLOUT, K.ROLLOUT_LOG_PROBS, *SOURCE_WRITES["prompts"][2:]),
+        "responses": (*_ROLLOUT, K.ROLLOUT_LOG_PROBS, K.WEIGHT_VERSION, *SOURCE_WRITES["prompts"][2:]),
         # A second generation (ReMax's greedy one) carries the same fields under its own key.
         "greedy_responses": _ROLLOUT[:5],
     },

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import networkx as nx
 
-from hybridflow.graph.dag import SOURCE, Graph, Node, refilled_nodes
+from hybridflow.graph.dag import SOURCE, Graph, Node, generation_nodes, refilled_nodes
 from hybridflow.spec.loading import SpecError
 
 
@@ -20,6 +20,8 @@ def describe(graph: Graph) -> str:
             f"tp={layout.tp} pp={layout.pp} dp={layout.dp}"
         )
     lines.append("nodes (execution order):")
+    mode = graph.spec.trainer.async_.mode
+    ahead = {n.name for n in generation_nodes(graph)} if mode == "one_step_off" else set()
     for node in graph.nodes:
         waits = sorted({src for src in graph.producers(node).values() if src != SOURCE})
         outputs = _refill_note(graph, node) or ", ".join(node.outputs) or "(update)"
@@ -27,6 +29,7 @@ def describe(graph: Graph) -> str:
             f"  {node.name:<14} {node.op:<10} on {node.model:<8} "
             f"{', '.join(node.inputs) or '-'} -> {outputs}"
             + (f"   waits for: {', '.join(waits)}" if waits else "")
+            + ("   (one_step_off: submitted for the next iteration before this one's updates)" if node.name in ahead else "")
         )
     return "\n".join(lines)
 

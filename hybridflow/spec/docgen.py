@@ -148,7 +148,8 @@ def _sections(root: type[BaseModel], title: str) -> list[Section]:
     seen = {root}
 
     def visit(section: Section) -> None:
-        for name, field in section.model.model_fields.items():
+        for attr, field in section.model.model_fields.items():
+            name = field.alias or attr  # as written in a file (trainer.async)
             annotation = _unwrap(field.annotation)
             origin = typing.get_origin(annotation)
             children = _submodels(annotation)
@@ -235,7 +236,8 @@ def render_reference(
         if doc and not doc.startswith(section.model.__name__ + "("):
             lines.append(" ".join(doc.split()).replace("``", "`"))
         lines += ["", "| field | type | default | meaning | example |", "| --- | --- | --- | --- | --- |"]
-        for name, field in section.model.model_fields.items():
+        for attr, field in section.model.model_fields.items():
+            name = field.alias or attr  # as written in a file (trainer.async)
             default_text, default = _default(field)
             path = f"{section.example_path}.{name}" if section.example_path else name
             example = "" if _submodels(field.annotation) and default is None and path not in VALUE_EXAMPLES else _example(path, field, default, as_override)

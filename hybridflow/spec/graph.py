@@ -264,7 +264,8 @@ class RolloutSpec(Spec):
         None,
         gt=0,
         description="Stop the run if rollout and training log-probs differ by more than this "
-        "(mean absolute difference); null = only report.",
+        "(mean absolute difference); null = only report. Checked in trainer.async.mode sync "
+        "only (off-policy modes sample from older weights by design).",
     )
 
 
@@ -425,6 +426,39 @@ class AdvantageNode(NodeBase):
     options: AdvantageOptions = Field(default_factory=AdvantageOptions)
 
 
+class RolloutCorrectionOptions(Spec):
+    """Rollout correction of an actor update (``algos/rollout_correction.py``): reweight or drop
+    tokens by the importance ratio ``rho = pi_old / pi_rollout`` of the recomputed old log-probs
+    (the update's ``old_log_probs`` input) and the rollout engine's log-probs (which the
+    ``responses`` key carries). Serves stale samples (async modes) and sync mode alike, where
+    rollout and training numerics differ. The weights are detached and multiply the policy
+    loss only (not the KL or entropy terms); rejected tokens leave the loss and its token
+    count. Metrics: rollout_corr/is_weight_{mean,max,min}, rollout_corr/clipped_frac,
+    rollout_corr/masked_frac, rollout_corr/rejected_seq_frac."""
+
+    is_level: Literal["token", "sequence", "geometric"] | None = Field(
+        "token",
+        description="Truncated IS: each token's policy loss is multiplied by min(rho, is_cap), "
+        "rho per token, per sequence (product over its tokens) or the sequence's geometric "
+        "mean; null = no IS weight.",
+    )
+    is_cap: float = Field(2.0, gt=0, description="C of truncated IS, w = min(rho, C).")
+    reject_level: Literal["token", "sequence", "geometric"] | None = Field(
+        None,
+        description="Rejection (masked IS): tokens (token, IcePop) or whole sequences "
+        "(sequence, geometric; MIS) whose rho is outside [reject_low, reject_high] leave the "
+        "loss; null = keep every token.",
+    )
+    reject_low: float = Field(0.5, ge=0, description="Lower bound of rho kept by rejection.")
+    reject_high: float = Field(2.0, gt=0, description="Upper bound of rho kept by rejection.")
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> "RolloutCorrectionOptions":
+        if self.reject_low > self.reject_high:
+            raise ValueError(f"reject_low {self.reject_low} > reject_high {self.reject_high}")
+        return self
+
+
 class UpdateOptions(Spec):
     policy_loss: str = Field(
         "ppo_clip",
@@ -469,6 +503,28 @@ class UpdateOptions(Spec):
     safety: "SafetyOptions | None" = Field(
         None, description="Safe-RLHF (actor update): Lagrangian over the cost advantages."
     )
+    old_log_probs: Literal["recomputed", "rollout"] = Field(
+        "recomputed",
+        description="Actor update: pi_old of the PPO ratio pi_theta / pi_old. 'recomputed': the "
+        "old_log_probs input, the actor's log-probs at the trainer's weights before the update "
+        "(decoupled PPO: the clip is a trust region around pi_old; without that input, the "
+        "update's own first forward); 'rollout': the rollout engine's log-probs (the behaviour "
+        "policy), which saves the recompute and clips against the sampler itself.",
+    )
+    rollout_correction: RolloutCorrectionOptions | None = Field(
+        None,
+        description="Actor update: truncated IS and/or rejection by pi_old / pi_rollout "
+        "(needs old_log_probs among the inputs and old_log_probs: recomputed); null = off.",
+    )
+
+    @model_validator(mode="after")
+    def _correction_needs_recomputed(self) -> "UpdateOptions":
+        if self.rollout_correction is not None and self.old_log_probs == "rollout":
+            raise ValueError(
+                "rollout_correction weighs by pi_old / pi_rollout, which is 1 when old_log_probs "
+                "is 'rollout'; use old_log_probs: recomputed (and an old_log_probs input)"
+            )
+        return self
 
     @field_validator("policy_loss")
     @classmethod
@@ -562,8 +618,44 @@ class DataSpec(Spec):
     num_val: int = Field(64, ge=0, description="Held-out prompts scored greedily.")
 
 
+ASYNC_MODES_IMPLEMENTED = ("sync", "one_step_off")
+
+
+class AsyncSpec(Spec):
+    """How generation overlaps training (``trainer.async``). Every sample carries the policy
+    version that generated it (``weight_version``); the update reports async/staleness_mean and
+    async/staleness_max (actor updates between generation and training)."""
+
+    mode: Literal["sync", "one_step_off", "streaming"] = Field(
+        "sync",
+        description="sync: generate, then train, each iteration (staleness 0). one_step_off: "
+        "iteration k+1's generation is submitted before iteration k's update, so it samples from "
+        "the weights before that update (staleness 1; pair it with an update's "
+        "rollout_correction). streaming: not implemented yet.",
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="K: a batch is trained only if its samples lag the trainer by at most "
+        "K actor updates (one_step_off needs K >= 1)."
+    )
+
+    @field_validator("mode")
+    @classmethod
+    def _mode_available(cls, mode: str) -> str:
+        if mode not in ASYNC_MODES_IMPLEMENTED:
+            raise ValueError(f"{mode!r} is not implemented yet; use one of {', '.join(ASYNC_MODES_IMPLEMENTED)}")
+        return mode
+
+    @model_validator(mode="after")
+    def _bound_allows_mode(self) -> "AsyncSpec":
+        if self.mode == "one_step_off" and self.max_staleness < 1:
+            raise ValueError("max_staleness must be >= 1 for mode one_step_off (its samples are 1 update old)")
+        return self
+
+
 class TrainerSpec(Spec):
     """Length of the run, seeds, validation, logging and what is saved."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True)
 
     iterations: int = Field(60, ge=1, description="Iterations (rollout + update) to run.")
     seed: int = Field(0, description="Seed of model init and sampling.")
@@ -607,6 +699,11 @@ class TrainerSpec(Spec):
     nan_tolerance: int = Field(
         3, ge=1, description="Stop after this many iterations in a row whose update was skipped "
         "for a non-finite loss or gradient."
+    )
+    async_: AsyncSpec = Field(
+        default_factory=AsyncSpec,
+        alias="async",  # a Python keyword: the attribute is async_
+        description="Overlap of generation and training, and the staleness bound.",
     )
 
 

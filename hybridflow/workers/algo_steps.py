@@ -29,10 +29,13 @@ from hybridflow.algos import (
     LagrangeMultiplier,
     agg_loss,
     clipped_value_loss,
+    correction_metrics,
+    correction_stats,
     explained_variance,
     kl_penalty,
     local_sum,
     masked_mean,
+    rollout_correction,
     safe_rlhf_advantage,
 )
 from hybridflow.algos.losses import ReduceSum
@@ -166,6 +169,48 @@ def apply_safety(
         "safety/mean_cost": mean_cost,
         "safety/cost_margin": mean_cost - opts.safety.cost_threshold,
     }
+
+
+def apply_rollout_correction(
+    batch: TensorDict, opts: UpdateOptions, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
+    """Rollout correction of an actor update (``opts.rollout_correction``), once per rollout
+    batch, before any optimizer step: the weights compare ``old_log_probs`` with
+    ``rollout_log_probs``, neither of which changes during the update.
+
+    Writes ``batch[rollout_is_weights]`` (B, R) and narrows ``batch[response_mask]`` to the kept
+    tokens (so they also leave the loss's token count). Returns ``rollout_corr/*`` metrics over
+    the whole batch: sums added and extremes taken over the data-parallel ``group``.
+    """
+    corr = opts.rollout_correction
+    for field in (K.OLD_LOG_PROBS, K.ROLLOUT_LOG_PROBS):
+        if field not in batch.keys():
+            raise ValueError(f"a rollout_correction update needs '{field}' among its inputs")
+    mask = batch[K.RESPONSE_MASK]
+    correction = rollout_correction(
+        batch[K.OLD_LOG_PROBS], batch[K.ROLLOUT_LOG_PROBS], mask,
+        corr.is_level, corr.is_cap, corr.reject_level, corr.reject_low, corr.reject_high,
+    )
+    sums, extremes = correction_stats(correction, mask)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    batch[K.ROLLOUT_IS_WEIGHTS] = correction.weights.float()
+    batch[K.RESPONSE_MASK] = correction.keep_mask.to(mask.dtype)
+    return {f"rollout_corr/{k}": v for k, v in correction_metrics(sums, extremes).items()}
+
+
+def staleness(batch: TensorDict, version: int, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """``async/staleness_{mean,max}``: how many actor updates behind ``version`` (the train
+    engine's, before this update) the samples' ``weight_version`` tags are, over the whole batch
+    (data-parallel ``group``). 0 in sync mode; 1 in one-step off-policy."""
+    lag = (version - batch[K.WEIGHT_VERSION]).double()
+    sums = torch.stack([lag.sum(), torch.tensor(float(lag.numel()), dtype=torch.float64)])
+    top = lag.max() if lag.numel() else torch.tensor(0.0, dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    return {"async/staleness_mean": float(sums[0] / sums[1].clamp(min=1)), "async/staleness_max": float(top)}
 
 
 def critic_fields(node: Node) -> tuple[str, str]:

@@ -137,6 +137,11 @@ class ModelWorker(Worker):
         self.extra_state: dict[str, Any] = algo_steps.build_controllers(graph_spec, models)
         self._inject_nonfinite_updates: dict[str, int] = {}  # model -> updates to poison (tests)
         self._inject_stale_syncs: dict[str, int] = {}  # model -> weight syncs to skip (tests)
+        # Policy versions: actor updates applied to a model's train engine, and the one its
+        # rollout engine last took (a weight sync); every generated sample is tagged with the
+        # latter (``weight_version``), and an update's staleness is the difference.
+        self.train_versions: dict[str, int] = dict.fromkeys(self.rollout_engines, 0)
+        self.rollout_versions: dict[str, int] = dict.fromkeys(self.rollout_engines, 0)
 
     # -- ops ----------------------------------------------------------------------------------
 
@@ -177,6 +182,7 @@ class ModelWorker(Worker):
             greedy=greedy,
         )
         out = self.rollout_engines[node.model].generate(batch, params)
+        out[K.WEIGHT_VERSION] = torch.full((out.batch_size[0],), self.rollout_versions[node.model], dtype=torch.int64)
         response_mask = out[K.RESPONSE_MASK]
         lengths = response_mask.sum(-1).float()
         metrics = {
@@ -300,6 +306,14 @@ class ModelWorker(Worker):
         if opts.safety is not None:
             lagrange = self.extra_state[f"lagrange/{node.name}"]
             extra.update(algo_steps.apply_safety(batch, opts, lagrange, algo_steps.dp_sum(self._dp_group(model))))
+        if opts.rollout_correction is not None:
+            extra.update(algo_steps.apply_rollout_correction(batch, opts, self._dp_group(model)))
+        if model in self.train_versions and K.WEIGHT_VERSION in batch.keys():
+            extra.update(algo_steps.staleness(batch, self.train_versions[model], self._dp_group(model)))
+            bound = self.spec.trainer.async_
+            assert bound.mode == "sync" or extra["async/staleness_max"] <= bound.max_staleness, (
+                f"samples {extra['async/staleness_max']:g} updates old > trainer.async.max_staleness"
+            )
         rollout_stats = ConsistencyStats()
         metrics = self._train(batch, node, self._policy_loss(opts, rollout_stats), rollout_stats)
         metrics.update(extra)
@@ -307,9 +321,11 @@ class ModelWorker(Worker):
         consistency = rollout_stats.reduce(self._dp_group(model))
         metrics.update({f"actor/{k}": v for k, v in consistency.items()})
         rollout = self.spec.models[model].rollout
-        if rollout is not None:
+        # Off-policy modes train on samples of older weights by design: report, do not stop.
+        if rollout is not None and self.spec.trainer.async_.mode == "sync":
             check_consistency(consistency, rollout.log_prob_tolerance, model=model, engine=rollout.engine)
         if model in self.rollout_engines:
+            self.train_versions[model] += 1
             if self._inject_stale_syncs.get(model, 0) > 0:
                 self._inject_stale_syncs[model] -= 1
             else:
@@ -363,6 +379,7 @@ class ModelWorker(Worker):
         had this pool's number of ranks (then each rank takes back its own RNG stream)."""
         checkpointing.load_engines(path, self._trained_engines())
         for name in self.rollout_engines:  # a rollout engine with its own copy: the loaded weights
+            self.train_versions[name] = iteration  # one actor update per iteration
             self._sync_rollout(name)
         checkpointing.load_rank_state(
             path, pool, self.rank, self.extra_state, same_ranks, self.spec.trainer.seed, iteration
@@ -382,7 +399,9 @@ class ModelWorker(Worker):
         return {name: e for name, e in self.train_engines.items() if name in trained}
 
     def _sync_rollout(self, model: str) -> dict[str, float]:
-        """The rollout engine of ``model`` takes its train engine's current weights."""
+        """The rollout engine of ``model`` takes its train engine's current weights (and their
+        version: samples it generates from now on are tagged with it)."""
+        self.rollout_versions[model] = self.train_versions[model]
         return self.weight_syncs[model](self.rollout_engines[model])
 
     @register(Dispatch.ONE_TO_ALL)
@@ -403,14 +422,27 @@ class ModelWorker(Worker):
     # -- losses -------------------------------------------------------------------------------
 
     @staticmethod
+    def _old_log_probs(opts: UpdateOptions, mb: TensorDict, log_probs: torch.Tensor) -> torch.Tensor:
+        """pi_old of the PPO ratio (``UpdateOptions.old_log_probs``): the rollout engine's
+        log-probs, or the recomputed ``old_log_probs`` (decoupled PPO); without that input the
+        update is on-policy (one step): old = the current forward, detached. With rollout
+        correction the ratio stays pi_theta / pi_old and the detached IS weight pi_old /
+        pi_rollout multiplies the per-token policy loss; for gspo the ratio is the sequence's
+        (geometric mean) and the weight still per token (use is_level sequence or geometric for
+        one weight per sequence); for cispo the clipped weight pi_theta / pi_old and the IS
+        weight multiply (AReaL's decoupled objective in REINFORCE form)."""
+        if opts.old_log_probs == "rollout":
+            return mb[K.ROLLOUT_LOG_PROBS]
+        return mb[K.OLD_LOG_PROBS] if K.OLD_LOG_PROBS in mb.keys() else log_probs.detach()
+
+    @staticmethod
     def _policy_loss(opts: UpdateOptions, rollout_stats: ConsistencyStats | None = None):
         policy_loss = POLICY_LOSSES.get(opts.policy_loss)
 
         def loss_fn(mb: TensorDict, out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
             log_probs = out["log_probs"]
             response_mask = mb[K.RESPONSE_MASK]
-            # Without an old_log_prob node the update is on-policy (one step): old = current.
-            old = mb[K.OLD_LOG_PROBS] if K.OLD_LOG_PROBS in mb.keys() else log_probs.detach()
+            old = ModelWorker._old_log_probs(opts, mb, log_probs)
             loss_mat, metrics = policy_loss(
                 log_probs=log_probs,
                 old_log_probs=old,
@@ -421,6 +453,8 @@ class ModelWorker(Worker):
                 clip_ratio_high=opts.clip_ratio_high,
                 clip_ratio_c=opts.clip_ratio_c,
             )
+            if K.ROLLOUT_IS_WEIGHTS in mb.keys():  # rollout correction: policy term only
+                loss_mat = loss_mat * mb[K.ROLLOUT_IS_WEIGHTS]
             metrics["pg_loss"] = float(agg_loss(loss_mat.detach(), response_mask))
             if opts.kl_coef > 0:
                 kl = kl_penalty(log_probs, mb[K.REF_LOG_PROBS], opts.kl_estimator, opts.kl_bound)

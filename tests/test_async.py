@@ -1,0 +1,285 @@
+"""Issue 20's foundation: rollout correction in the actor update, weight versions on every
+sample, and the ``trainer.async`` spec.
+
+Fast tests: the options and their one-line errors, the loss with IS weights, the staleness
+statistic. Slow tests: short GRPO runs on real Ray, gloo and a transformers model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from hybridflow.data import keys as K
+from hybridflow.graph.dag import load_graph
+from hybridflow.spec.loading import SpecError
+
+ROOT = Path(__file__).resolve().parent.parent
+GRPO = ROOT / "graphs" / "grpo.yaml"
+CORR = "nodes.update_actor.options.rollout_correction"
+SHORT = [
+    "trainer.val_interval=0", "trainer.progress=false", "trainer.save_final=false",
+    "trainer.save_interval=0", "trainer.sample_interval=0",
+]
+SMALL = [*SHORT, "data.prompts_per_iteration=4", "models.actor.rollout.n=4"]  # 16 samples/iteration
+
+
+# -- spec ------------------------------------------------------------------------------------
+
+
+def test_correction_options_load_with_defaults():
+    opts = load_graph(GRPO, [f"{CORR}.reject_level=token"]).node("update_actor").spec.options
+    corr = opts.rollout_correction
+    assert (corr.is_level, corr.is_cap, corr.reject_level, corr.reject_low, corr.reject_high) == ("token", 2.0, "token", 0.5, 2.0)
+    assert opts.old_log_probs == "recomputed"
+    assert load_graph(GRPO).node("update_actor").spec.options.rollout_correction is None
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ([f"{CORR}.is_level=tok"], "nodes[5].options.rollout_correction.is_level"),
+        ([f"{CORR}.reject_low=3"], "nodes[5].options.rollout_correction"),
+        ([f"{CORR}.is_cap=2", "nodes.update_actor.options.old_log_probs=rollout"], "nodes[5].options"),
+        # pi_old must reach the update: no old_log_probs input, no correction
+        ([f"{CORR}.is_cap=2", "nodes.update_actor.inputs=[responses,ref_log_probs,advantages]"],
+         "nodes[5].options.rollout_correction"),
+    ],
+)
+def test_bad_correction_options_are_one_line(overrides, field):
+    with pytest.raises(SpecError) as info:
+        load_graph(GRPO, overrides)
+    message = str(info.value)
+    assert "\n" not in message and f"grpo.yaml: {field}:" in message
+
+
+def test_old_log_probs_from_rollout_makes_the_recompute_redundant():
+    graph = load_graph(GRPO, ["nodes.update_actor.options.old_log_probs=rollout", "nodes.update_actor.options.mini_batches=2"])
+    assert "old_log_prob" in graph.redundant_nodes()
+    corrected = load_graph(GRPO, [f"{CORR}.is_cap=2", "nodes.update_actor.options.mini_batches=1"])
+    assert "old_log_prob" not in corrected.redundant_nodes()  # the correction reads it up front
+
+
+# -- the loss --------------------------------------------------------------------------------
+
+
+def _micro_batch(weights: torch.Tensor | None = None) -> tuple[TensorDict, dict]:
+    log_probs = torch.tensor([[-1.0, -2.0], [-0.5, -0.7]], requires_grad=True)
+    fields = {
+        K.RESPONSE_MASK: torch.tensor([[1, 1], [1, 0]]),
+        K.OLD_LOG_PROBS: log_probs.detach().clone(),
+        K.ROLLOUT_LOG_PROBS: torch.tensor([[-1.5, -2.0], [-0.5, -9.0]]),
+        K.ADVANTAGES: torch.tensor([[1.0, 1.0], [-2.0, -2.0]]),
+    }
+    if weights is not None:
+        fields[K.ROLLOUT_IS_WEIGHTS] = weights
+    out = {"log_probs": log_probs, "entropy": torch.zeros(2, 2),
+           "num_global_tokens": torch.tensor(3.0), "num_global_seqs": torch.tensor(2.0)}
+    return TensorDict(fields, batch_size=[2]), out
+
+
+def test_is_weights_scale_the_policy_loss_per_token():
+    from hybridflow.spec.graph import UpdateOptions
+    from hybridflow.workers.model_worker import ModelWorker
+
+    loss_fn = ModelWorker._policy_loss(UpdateOptions())
+    # ratio 1 everywhere (old = current): the ppo_clip loss of a token is -A.
+    plain, _ = loss_fn(*_micro_batch())
+    assert float(plain.detach()) == pytest.approx((-1 - 1 + 2) / 3)
+    weighted, metrics = loss_fn(*_micro_batch(torch.tensor([[2.0, 0.5], [0.25, 0.0]])))
+    assert float(weighted.detach()) == pytest.approx((-2 * 1 - 0.5 * 1 + 0.25 * 2) / 3)
+    assert metrics["pg_loss"] == pytest.approx((-2 - 0.5 + 0.5) / 3)
+
+
+def test_old_log_probs_rollout_puts_the_rollout_in_the_ratio():
+    from hybridflow.spec.graph import UpdateOptions
+    from hybridflow.workers.model_worker import ModelWorker
+
+    loss_fn = ModelWorker._policy_loss(UpdateOptions(old_log_probs="rollout", clip_ratio=10.0))
+    _, metrics = loss_fn(*_micro_batch())
+    # ratios pi / pi_rollout on the valid tokens: e^0.5, 1, 1 (the masked -9 is not counted)
+    assert metrics["ratio_mean"] == pytest.approx((math.exp(0.5) + 2) / 3)
+
+
+def test_apply_rollout_correction_writes_weights_and_narrows_the_mask():
+    from hybridflow.spec.graph import UpdateOptions
+    from hybridflow.workers.algo_steps import apply_rollout_correction
+
+    batch, _ = _micro_batch()
+    opts = UpdateOptions(rollout_correction={"is_level": "token", "is_cap": 2.0, "reject_level": "token",
+                                             "reject_low": 0.5, "reject_high": 1.5})
+    metrics = apply_rollout_correction(batch, opts)
+    # ratios pi_old / pi_rollout: e^0.5 = 1.65 (rejected, > 1.5), 1, 1
+    assert batch[K.RESPONSE_MASK].tolist() == [[0, 1], [1, 0]]
+    assert batch[K.ROLLOUT_IS_WEIGHTS].tolist() == [[0.0, 1.0], [1.0, 0.0]]
+    assert metrics == pytest.approx({
+        "rollout_corr/is_weight_mean": 1.0, "rollout_corr/is_weight_max": 1.0, "rollout_corr/is_weight_min": 1.0,
+        "rollout_corr/clipped_frac": 0.0, "rollout_corr/masked_frac": 1 / 3, "rollout_corr/rejected_seq_frac": 0.0,
+    })
+
+
+def test_staleness_statistic():
+    from hybridflow.workers.algo_steps import staleness
+
+    batch = TensorDict({K.WEIGHT_VERSION: torch.tensor([3, 3, 2, 1])}, batch_size=[4])
+    assert staleness(batch, 3) == {"async/staleness_mean": 0.75, "async/staleness_max": 2.0}
+
+
+# -- end to end ------------------------------------------------------------------------------
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_grpo_with_rollout_correction_and_version_tags(ray_session, tmp_path):
+    """Sync GRPO with the correction on: its metrics are sane (the transformers rollout shares
+    the actor's module, so pi_old = pi_rollout: weights ~1, nothing clipped or rejected). A
+    skipped weight sync (test hook) in iteration 2 leaves the rollout engine's version behind:
+    iteration 3's samples carry version 1 at trainer version 2, staleness 1."""
+    import ray
+
+    from hybridflow.controller.trainer import Trainer
+
+    overrides = [*SMALL, "trainer.iterations=4", f"{CORR}.is_level=token", f"{CORR}.is_cap=2.0",
+                 f"{CORR}.reject_level=geometric", f"{CORR}.reject_low=0.5", f"{CORR}.reject_high=2.0"]
+    trainer = Trainer(load_graph(GRPO, overrides), run_dir=str(tmp_path / "run"))
+
+    def skip_one_sync(t, iteration, metrics):
+        if iteration == 1:
+            ray.get(t.groups["default"].call("inject_stale_rollout", model="actor", count=1))
+
+    trainer.callbacks.append(skip_one_sync)
+    trainer.fit()
+    rows = _rows(tmp_path / "run")
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
+    assert [r["async/staleness_mean"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
+    for row in rows:
+        assert 0.0 < row["rollout_corr/is_weight_min"] <= row["rollout_corr/is_weight_mean"] <= row["rollout_corr/is_weight_max"] <= 2.0
+        assert abs(row["rollout_corr/is_weight_mean"] - 1.0) < 1e-3
+        assert row["rollout_corr/clipped_frac"] == 0.0 and row["rollout_corr/masked_frac"] == 0.0
+        assert row["rollout_corr/rejected_seq_frac"] == 0.0
+        assert math.isfinite(row["actor/pg_loss"])
+
+
+# -- trainer.async ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "graph, overrides, field",
+    [
+        (GRPO, ["trainer.async.mode=streaming"], "trainer.async.mode"),
+        (GRPO, ["trainer.async.mode=one_step_off", "trainer.async.max_staleness=0"], "trainer.async"),
+        (GRPO, ["trainer.async_.mode=sync"], "trainer.async_"),  # the file spells it async
+        (ROOT / "graphs" / "dapo.yaml", ["trainer.async.mode=one_step_off"], "trainer.async.mode"),
+    ],
+)
+def test_bad_async_settings_are_one_line(graph, overrides, field):
+    with pytest.raises(SpecError) as info:
+        load_graph(graph, overrides)
+    message = str(info.value)
+    assert "\n" not in message and f".yaml: {field}:" in message
+
+
+def test_async_defaults_to_sync_and_is_written_as_async():
+    spec = load_graph(GRPO, ["trainer.async.mode=one_step_off"]).spec
+    assert load_graph(GRPO).spec.trainer.async_.mode == "sync"
+    assert spec.trainer.model_dump(mode="json")["async"] == {"mode": "one_step_off", "max_staleness": 1}
+
+
+@pytest.mark.slow
+def test_one_step_off_trains_one_update_behind_and_resumes(ray_session, tmp_path):
+    """Generation k+1 goes before update k: samples are 1 update old from iteration 2 on, the
+    correction sees pi_old differ from the sampler, and a checkpoint's dataset position counts
+    trained batches only (the buffered one is drawn again on resume)."""
+    from hybridflow.controller.checkpoint import checkpoint_dir, load_controller_state
+    from hybridflow.controller.trainer import Trainer
+
+    # 8 x 16 samples: groups with differing rewards from the start, so each update moves the
+    # weights (an all-zero-advantage update would leave pi_old equal to the sampler)
+    overrides = [*SHORT, "data.prompts_per_iteration=8", "trainer.iterations=4", "trainer.save_interval=2",
+                 "trainer.async.mode=one_step_off",
+                 f"{CORR}.is_level=token", f"{CORR}.is_cap=2.0"]
+    run_dir = tmp_path / "run"
+    Trainer(load_graph(GRPO, overrides), run_dir=str(run_dir)).fit(stop_after=3)
+    rows = _rows(run_dir)
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["async/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0]
+    per_iteration = 8
+    state = load_controller_state(checkpoint_dir(run_dir, 2))["dataset"]
+    assert (state["position"], state["next_uid"]) == (2 * per_iteration, 2 * per_iteration)
+    # Sampled one update ago: the sampler's log-probs differ from pi_old; in sync they agree.
+    for row in rows[1:]:
+        assert row["actor/rollout_log_prob_diff_mean"] > 1e-4, row["actor/rollout_log_prob_diff_mean"]
+        w = row["rollout_corr/is_weight_mean"]
+        assert 0.0 < row["rollout_corr/is_weight_min"] <= w <= row["rollout_corr/is_weight_max"] <= 2.0
+        assert w != 1.0
+    assert rows[0]["actor/rollout_log_prob_diff_mean"] < 1e-4
+
+    # Resume from iteration 2: iteration 3 regenerates from the restored weights (staleness 0).
+    Trainer(load_graph(GRPO, overrides), run_dir=str(run_dir), resume=True).fit()
+    rows = _rows(run_dir)
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
+    state = load_controller_state(checkpoint_dir(run_dir, 4))["dataset"]
+    assert (state["position"], state["next_uid"]) == (4 * per_iteration, 4 * per_iteration)
+
+
+def test_graph_picture_shows_the_generation_ahead():
+    from hybridflow.graph.render import describe
+
+    lines = describe(load_graph(ROOT / "graphs" / "grpo_async.yaml")).splitlines()
+    ahead = [line for line in lines if "one_step_off: submitted for the next iteration" in line]
+    assert [line.split()[0] for line in ahead] == ["generate"]
+    assert not any("one_step_off" in line for line in describe(load_graph(GRPO)).splitlines())
+
+
+@pytest.mark.slow
+def test_one_step_off_worker_crash_trains_each_batch_once(ray_session, tmp_path):
+    """SIGKILL of a worker during iteration 4 (checkpoint at 2) of a one_step_off run: the
+    workers restart, the run goes back to iteration 2, drops the buffered generation and draws
+    its prompts again. Every iteration trains the dataset's next batch: the logged samples of
+    iteration i answer prompts of the i-th batch, and the final checkpoint counts 5 batches."""
+    import os
+    import signal
+    import threading
+
+    import ray
+
+    from hybridflow.controller.checkpoint import checkpoint_dir, load_controller_state
+    from hybridflow.controller.trainer import Trainer
+
+    small = [*SMALL, "trainer.iterations=5", "trainer.save_interval=2", "trainer.max_restarts=1",
+             "trainer.sample_interval=1", "trainer.async.mode=one_step_off"]
+    trainer = Trainer(load_graph(GRPO, small), run_dir=str(tmp_path / "killed"))
+    killed = []
+
+    def kill_during_next_iteration(t, iteration, metrics):
+        if iteration == 3 and not killed:
+            pid = ray.get(t.groups["default"].workers[1].__ray_call__.remote(lambda self: os.getpid()))
+            threading.Timer(0.05, os.kill, (pid, signal.SIGKILL)).start()
+            killed.append(pid)
+
+    trainer.callbacks.append(kill_during_next_iteration)
+    assert trainer.fit()["restarts"] == 1
+    run_dir = tmp_path / "killed"
+    rows = _rows(run_dir)
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]
+    # back at 2, the first iteration after the restore regenerates: staleness 0 there
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 1.0]
+
+    dataset = trainer.dataset
+    dataset.load_state_dict({"epoch": 0, "position": 0, "next_uid": 0, "num_rows": len(dataset)})
+    batches = [set(dataset.next_batch().get(K.PROMPT_TEXT).tolist()) for _ in range(5)]
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted({s["iteration"] for s in samples}) == [1, 2, 3, 4, 5]
+    for sample in samples:
+        assert sample["prompt"] in batches[sample["iteration"] - 1], sample
+    state = load_controller_state(checkpoint_dir(run_dir, 5))["dataset"]
+    assert (state["position"], state["next_uid"]) == (5 * 4, 5 * 4)
