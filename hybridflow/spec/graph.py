@@ -208,6 +208,15 @@ class TrainEngineSpec(Spec):
         "share a micro-batch. Takes the place of remove_padding. The attention mask is dense "
         "(tokens^2 of a micro-batch): meant for micro-batches of a few thousand tokens.",
     )
+    logits_chunk_tokens: int | None = Field(
+        1024,
+        ge=1,
+        description="Torch engine, policy with a vocabulary of >= 1024 words and a plain linear "
+        "LM head: log-probs and entropy are computed from the final hidden states this many "
+        "response tokens at a time, in the forward and (recomputing each chunk's logits) in the "
+        "backward, so no full-vocabulary float32 logits of a whole micro-batch are held. Equal "
+        "to the full logits' read-outs up to float rounding. null = project every token at once.",
+    )
     optim: OptimSpec = Field(default_factory=OptimSpec, description="Used by update nodes.")
     lora: LoraSpec | None = Field(
         None,
