@@ -28,7 +28,7 @@ from hybridflow.algos.chunked_logits import chunked_log_probs_entropy
 from hybridflow.data import keys as K
 from hybridflow.engines.base import LossFn, ModelKind, TrainEngine
 from hybridflow.engines.lora import add_lora, merged_named_weights
-from hybridflow.engines.packing import pack, pack_shared_prompts
+from hybridflow.engines.packing import pack, pack_shared_prompts, token_budget_micro_batches
 from hybridflow.engines.schedule import lr_factor
 from hybridflow.spec.graph import TrainEngineSpec
 
@@ -351,13 +351,27 @@ class TorchTrainEngine(TrainEngine):
         was_training = self.module.training
         self.module.eval()
         try:
-            parts = [
-                self._outputs(self.module, mb, temperature)
-                for mb in batch.split(self.spec.micro_batch_size)
-            ]
+            rows = self._micro_batch_rows(batch)
+            micro_batches = [batch[r] for r in rows] if rows else batch.split(self.spec.micro_batch_size)
+            parts = [self._outputs(self.module, mb, temperature) for mb in micro_batches]
         finally:
             self.module.train(was_training)
-        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        out = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        if not rows:
+            return out
+        order = torch.cat(rows)  # the samples' places in `batch`
+        return {key: torch.empty_like(value).index_copy_(0, order, value) for key, value in out.items()}
+
+    def _micro_batch_rows(self, batch: TensorDict) -> list[torch.Tensor]:
+        """With ``micro_batch_tokens``: the rows of ``batch`` of each micro-batch of the balanced
+        token-budget cut. Empty without one (``micro_batch_size`` samples each, in order)."""
+        budget = self.spec.micro_batch_tokens
+        if budget is None:
+            return []
+        mask = batch[K.ATTENTION_MASK]
+        packed = self.spec.remove_padding or self.spec.share_prompts
+        tokens = mask.sum(-1).tolist() if packed else [mask.shape[1]] * mask.shape[0]
+        return [torch.tensor(g) for g in token_budget_micro_batches(tokens, budget)]
 
     # -- update -------------------------------------------------------------------------------
 
@@ -391,7 +405,8 @@ class TorchTrainEngine(TrainEngine):
         num_global_seqs = counts[1].to(torch.float32)
 
         self.optimizer.zero_grad(set_to_none=True)
-        micro_batches = batch.split(self.spec.micro_batch_size)
+        rows = self._micro_batch_rows(batch)
+        micro_batches = [batch[r] for r in rows] if rows else batch.split(self.spec.micro_batch_size)
         loss_sum = torch.zeros((), dtype=torch.float64)
         weighted_metrics: dict[str, float] = {}
         for i, mb in enumerate(micro_batches):

@@ -208,6 +208,17 @@ class TrainEngineSpec(Spec):
         "share a micro-batch. Takes the place of remove_padding. The attention mask is dense "
         "(tokens^2 of a micro-batch): meant for micro-batches of a few thousand tokens.",
     )
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Torch engine: cut each forward's and update's batch into micro-batches by "
+        "a token budget instead of micro_batch_size samples (verl's ppo_max_token_len_per_gpu "
+        "with use_dynamic_bsz): balanced micro-batches of at most this many tokens (valid "
+        "prompt + response tokens with remove_padding or share_prompts, the padded width "
+        "without), a longer sample alone. Gradients equal the fixed-count cut's up to float "
+        "rounding (the loss normalisers are global); refused with loss_agg 'bnpo', which "
+        "normalises per micro-batch. null = micro_batch_size samples.",
+    )
     logits_chunk_tokens: int | None = Field(
         1024,
         ge=1,
@@ -235,6 +246,8 @@ class TrainEngineSpec(Spec):
             )
         if self.share_prompts and self.engine != "torch":
             raise ValueError("share_prompts is for train.engine 'torch'")
+        if self.micro_batch_tokens is not None and self.engine != "torch":
+            raise ValueError("micro_batch_tokens is for train.engine 'torch'")
         if self.lora is not None and self.engine != "torch":
             raise ValueError("lora is for train.engine 'torch'")
         return self
