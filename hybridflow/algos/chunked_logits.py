@@ -43,9 +43,9 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
         lse = torch.empty(num, dtype=out_dtype, device=hidden.device)
         for start in range(0, num, chunk_tokens):
             stop = min(start + chunk_tokens, num)
-            z = _chunk_logits(hidden[start:stop], weight, temperature)
-            lse[start:stop] = torch.logsumexp(z, dim=-1)
-            log_p = torch.log_softmax(z, dim=-1)  # as log_probs_from_logits computes it
+            log_p = _chunk_logits(hidden[start:stop], weight, temperature)
+            lse[start:stop] = torch.logsumexp(log_p, dim=-1)
+            log_p -= lse[start:stop, None]  # in place: one (chunk, V) tensor less
             log_probs[start:stop] = log_p.gather(1, targets[start:stop, None])[:, 0]
             entropy[start:stop] = -(log_p.exp() * log_p).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
@@ -64,20 +64,29 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_tokens):
             stop = min(start + chunk_tokens, hidden.shape[0])
             h = hidden[start:stop]
-            z = _chunk_logits(h, weight, temperature)
-            log_p = z - lse[start:stop, None]
-            p = log_p.exp()
-            grad_z = torch.zeros_like(z)
-            if grad_log_probs is not None:
-                g = grad_log_probs[start:stop, None]
-                grad_z -= g * p
-                grad_z.scatter_add_(1, targets[start:stop, None], g)
+            log_p = _chunk_logits(h, weight, temperature)
+            log_p -= lse[start:stop, None]
+            grad_z = log_p.exp()  # p, turned into dL/dz in place below
+            # dL/dz = p * (-g_lp - g_ent * (log p + H)) + onehot(target) * g_lp
             if grad_entropy is not None:
-                grad_z -= grad_entropy[start:stop, None] * p * (log_p + entropy[start:stop, None])
-            grad_z = (grad_z / temperature).to(hidden.dtype)
+                coef = log_p.add_(entropy[start:stop, None]).mul_(-grad_entropy[start:stop, None])
+                if grad_log_probs is not None:
+                    coef -= grad_log_probs[start:stop, None]
+                grad_z *= coef
+            elif grad_log_probs is not None:
+                grad_z *= -grad_log_probs[start:stop, None]
+            else:
+                grad_z.zero_()
+            if grad_log_probs is not None:
+                grad_z.scatter_add_(1, targets[start:stop, None], grad_log_probs[start:stop, None])
+            if temperature != 1.0:
+                grad_z /= temperature
+            grad_z = grad_z.to(hidden.dtype)
             if need_hidden:
                 grad_hidden[start:stop] = grad_z @ weight
-            if need_weight:
+            if need_weight and grad_weight.dtype == h.dtype:
+                grad_weight.addmm_(grad_z.T, h)  # in place: no (V, D) temporary per chunk
+            elif need_weight:
                 grad_weight += (grad_z.T @ h).to(grad_weight.dtype)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
