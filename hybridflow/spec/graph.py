@@ -261,6 +261,14 @@ class RolloutSpec(Spec):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1 = off.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
+    fixed_length: bool = Field(
+        False,
+        description="Benchmarking: EOS is never sampled, so every sample generates "
+        "data.max_response_length tokens (vLLM min_tokens, transformers min_new_tokens) and "
+        "system speed is measured apart from learned lengths. Every response is then truncated "
+        "(no EOS): pair it with the score node's unfinished: keep. Greedy (validation) "
+        "generation is left alone.",
+    )
     layout: ParallelLayout = Field(
         default_factory=ParallelLayout,
         description="Generation layout (tg, pg); divides the training tp, pp. The rollout "

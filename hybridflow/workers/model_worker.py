@@ -175,6 +175,7 @@ class ModelWorker(Worker):
             top_k=rollout.top_k,
             max_new_tokens=self.spec.data.max_response_length,
             greedy=greedy,
+            min_new_tokens=self.spec.data.max_response_length if rollout.fixed_length and not greedy else 0,
         )
         out = self.rollout_engines[node.model].generate(batch, params)
         response_mask = out[K.RESPONSE_MASK]
