@@ -169,7 +169,7 @@ def test_fixed_length_hybridflow_iteration(engine, tmp_path):
     """One real iteration of peers.py's hybridflow side with --fixed-length: every sample is
     max-new-tokens long (none ended), and the rewards are the task's, not zeroed."""
     peers = _peers()
-    # 192 tokens of a random model over ~40 symbols: without fixed length some would be EOS.
+    # 192 tokens of a random model over 12 symbols: without fixed length some would be EOS.
     args = peers.parse_args(["--fixed-length", "--engine", engine, "--prompts", "2", "--samples", "4",
                              "--max-new-tokens", "24", "--hidden-size", "64", "--layers", "1",
                              "--intermediate-size", "96", "--heads", "2", "--kv-heads", "1"])
