@@ -4,6 +4,7 @@
     .venv-peers/bin/python benchmarks/peers.py [--engine hf|vllm] [--seeds 0 1 2] [--json out.json]
         [--hidden-size 256 --layers 4 --intermediate-size 512 --heads 4 --kv-heads 2]
         [--prompts 16 --samples 8 --max-new-tokens 64 --lr 1e-3 --temperature 1.0] [--iterations 50]
+        [--fixed-length]
 
 Workload (the same for both; the defaults in brackets): a random-init Qwen2 built from one
 config (hidden [256], [4] layers, intermediate [512], [4] heads, [2] KV heads, tied embeddings),
@@ -13,6 +14,12 @@ special token right before EOS; `hybridflow.rewards.ending`, applied to TRL's `c
 by the same function), [16] prompts x [8] samples per iteration, up to [64] new tokens at
 temperature [1.0], no KL term (TRL beta=0), AdamW lr [1e-3] (betas 0.9/0.999, eps 1e-8, no
 weight decay), grad clip 1.0, one optimizer step per rollout batch.
+
+``--fixed-length`` measures system speed apart from learned lengths: on both sides EOS is never
+sampled, so every sample generates ``--max-new-tokens`` tokens (hybridflow: the rollout's
+``fixed_length``, i.e. vLLM ``min_tokens`` / transformers ``min_new_tokens``; TRL:
+``generation_kwargs={"min_new_tokens": ...}``), and the ending rule is off on both (hybridflow's
+score node ``unfinished: keep``; TRL's reward keeps the task's score), since no response ends.
 
 TRL settings that make the algorithm equal (`tests/test_trl_equivalence.py` proves the first
 update equal to TRL 1.16's formula within 1e-5): `loss_type="dapo"` (token losses summed over
@@ -87,10 +94,11 @@ def trl_model(config_overrides: dict, tokenizer, seed: int):
     return Qwen2ForCausalLM(config)
 
 
-def trl_scores(task, tokenizer, prompts, completions, ground_truth, completion_ids):
-    """TRL's side of the reward: the task's rule on the decoded completions, then the score
-    node's ending rule on ``completion_ids`` (cut after the first EOS, as ours are), by the same
-    function hybridflow's score op calls. Returns (B,) scores and the (B,) unfinished mask."""
+def trl_scores(task, tokenizer, prompts, completions, ground_truth, completion_ids, ending: bool = True):
+    """TRL's side of the reward: the task's rule on the decoded completions, then (``ending``)
+    the score node's ending rule on ``completion_ids`` (cut after the first EOS, as ours are), by
+    the same function hybridflow's score op calls. Returns (B,) scores and the (B,) unfinished
+    mask."""
     from hybridflow.rewards.ending import unfinished_mask
 
     scores = torch.tensor([task.reward_fn(p, c, g) for p, c, g in zip(prompts, completions, ground_truth)])
@@ -98,6 +106,8 @@ def trl_scores(task, tokenizer, prompts, completions, ground_truth, completion_i
     ids = torch.tensor([list(c) + [tokenizer.pad_token_id] * (width - len(c)) for c in completion_ids])
     mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completion_ids])
     unfinished = unfinished_mask(ids, mask, tokenizer.eos_token_id, tokenizer.all_special_ids)
+    if not ending:
+        return scores, unfinished
     return torch.where(unfinished, torch.zeros_like(scores), scores), unfinished
 
 
@@ -111,12 +121,15 @@ def peers_graph(args: argparse.Namespace, seed: int):
         role="actor",
         source={"config": model_config(args)},
         train={"micro_batch_size": 64, "optim": {"lr": args.lr, "betas": [0.9, 0.999], "grad_clip": 1.0}},
-        rollout={"engine": args.engine, "n": args.samples, "temperature": args.temperature},
+        rollout={"engine": args.engine, "n": args.samples, "temperature": args.temperature,
+                 "fixed_length": args.fixed_length},
     )
     g.model("reward", role="reward", source={"rule": f"hybridflow.data.tasks:{TASK}_reward"})
     g.place({"actor": "default", "reward": "default"})
     g.node("generate", "generate", model="actor", inputs=["prompts"], outputs=["responses"])
-    g.node("reward", "score", model="reward", inputs=["responses"], outputs=["scores"])
+    # Fixed length: no response ends, so the ending rule would score every one 0.
+    ending = {"unfinished": "keep"} if args.fixed_length else {}
+    g.node("reward", "score", model="reward", inputs=["responses"], outputs=["scores"], **ending)
     g.node("advantage", "advantage", model="actor", inputs=["responses", "scores"], outputs=["advantages"],
            estimator="grpo", norm_by_std=True, epsilon=TRL_STD_EPSILON)
     g.node("update_actor", "update", model="actor", inputs=["responses", "advantages"], outputs=[],
@@ -135,6 +148,12 @@ def hybridflow_trainer(run_dir: Path, args: argparse.Namespace, seed: int):
     return trainer
 
 
+def trl_generation_kwargs(args: argparse.Namespace) -> dict | None:
+    """TRL's extra generation settings: with ``--fixed-length``, EOS masked out until
+    ``--max-new-tokens`` (passed to transformers' ``GenerationConfig``)."""
+    return {"min_new_tokens": args.max_new_tokens} if args.fixed_length else None
+
+
 def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -148,7 +167,8 @@ def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
     dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in rows])
 
     def reward(prompts, completions, ground_truth, completion_ids, **_):
-        scores, unfinished = trl_scores(task, tokenizer, prompts, completions, ground_truth, completion_ids)
+        scores, unfinished = trl_scores(task, tokenizer, prompts, completions, ground_truth, completion_ids,
+                                        ending=not args.fixed_length)
         callback.trl_rewards.append(float(scores.mean()))
         callback.trl_tokens.append(sum(len(ids) for ids in completion_ids))
         callback.trl_unfinished.append(float(unfinished.float().mean()))
@@ -163,6 +183,7 @@ def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
         weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, logging_steps=1,
         report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=seed, disable_dropout=True,
         dataloader_num_workers=0,
+        generation_kwargs=trl_generation_kwargs(args),
     )
     return GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
                        processing_class=tokenizer, callbacks=[callback])
@@ -181,6 +202,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     workload.add_argument("--max-new-tokens", type=int, default=64)
     workload.add_argument("--lr", type=float, default=1e-3)
     workload.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    workload.add_argument("--fixed-length", action="store_true",
+                          help="EOS ignored on both sides: every sample generates --max-new-tokens")
     run = parser.add_argument_group("run")
     run.add_argument("--engine", choices=["hf", "vllm"], default="hf",
                      help="hybridflow's rollout engine (TRL always generates with transformers)")
@@ -233,7 +256,7 @@ def summarise(args: argparse.Namespace, runs: list, load_before: tuple, load_aft
         "load_average_after": list(load_after),
         "workload": {k: getattr(args, k) for k in (
             "hidden_size", "layers", "intermediate_size", "heads", "kv_heads", "prompts", "samples",
-            "max_new_tokens", "lr", "temperature")},
+            "max_new_tokens", "lr", "temperature", "fixed_length")},
         "iterations": args.iterations,
         "seeds": args.seeds,
         "hybridflow_rollout_engine": args.engine,

@@ -177,23 +177,28 @@ def _head_inputs(engine: TorchTrainEngine) -> list[torch.Size]:
     return shapes
 
 
-def test_a_large_vocabulary_gathers_the_tail_before_the_head():
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_a_large_vocabulary_gathers_the_tail_before_the_head(chunk):
     """From GATHER_BEFORE_HEAD_VOCAB on, only the response tail's hidden states reach the LM
-    head; the log-probs and one step's gradients equal the padded engine's as before."""
+    head; the log-probs and one step's gradients equal the padded engine's as before. With
+    ``logits_chunk_tokens`` the head itself projects no row: the chunked read-out does."""
     from hybridflow.engines.torch_engine import GATHER_BEFORE_HEAD_VOCAB
 
     batch = _batch()
     engines = [
         TorchTrainEngine(
             build_causal_lm(TINY, GATHER_BEFORE_HEAD_VOCAB, PAD, EOS, seed=2),
-            TrainEngineSpec(remove_padding=packed, micro_batch_size=5, optim=OptimSpec(grad_clip=None)),
+            TrainEngineSpec(
+                remove_padding=packed, micro_batch_size=5, optim=OptimSpec(grad_clip=None),
+                logits_chunk_tokens=None if not packed else chunk,
+            ),
         )
         for packed in (False, True)
     ]
     padded, packed = engines
     shapes = _head_inputs(packed)
     a, b = padded.forward(batch, temperature=0.8), packed.forward(batch, temperature=0.8)
-    tail = batch[K.RESPONSES].shape[1] + 1
+    tail = 0 if chunk else batch[K.RESPONSES].shape[1] + 1
     assert shapes and all(s[1:] == (tail, packed.module.config.hidden_size) for s in shapes), shapes
     assert (a["log_probs"] - b["log_probs"]).abs().max().item() < 1e-5
     _assert_one_sgd_step_equal(padded, packed, batch, "log_probs")

@@ -91,3 +91,92 @@ def test_summary_keeps_the_keys_and_adds_curves():
     assert result["hybridflow_reward_last10"] == pytest.approx(sum(i / 20 for i in range(2, 12)) / 10 + 0.05)
     assert result["per_seed"][1]["hybridflow"]["curves"]["reward"] == runs[1].hf_rewards
     assert result["workload"]["hidden_size"] == 256 and result["load_average_after"][0] == 2.0
+
+
+def test_fixed_length_reaches_both_sides():
+    peers = _peers()
+    args = peers.parse_args(["--fixed-length", "--max-new-tokens", "12"])
+    spec = peers.peers_graph(args, 0).spec
+    assert spec.models["actor"].rollout.fixed_length and spec.data.max_response_length == 12
+    score = next(n for n in spec.nodes if n.op == "score").options
+    assert score.unfinished == "keep"  # no response ends: the ending rule would zero every score
+    assert peers.trl_generation_kwargs(args) == {"min_new_tokens": 12}
+    default = peers.parse_args([])
+    assert not peers.peers_graph(default, 0).spec.models["actor"].rollout.fixed_length
+    assert peers.trl_generation_kwargs(default) is None
+    assert peers.summarise(args, [_fake_run()], (0.0,) * 3, (0.0,) * 3)["workload"]["fixed_length"] is True
+
+    # TRL's reward keeps the task's score of a completion that never ended.
+    task = get_task(peers.TASK)
+    tokenizer = task.tokenizer()
+    prompt = task.make_prompts(1, 0)[0]
+    truth = prompt["ground_truth"]
+    ids = tokenizer(truth)["input_ids"]  # the right answer, without EOS
+    with_rule, unfinished = peers.trl_scores(task, tokenizer, [prompt["prompt"]], [truth], [truth], [ids])
+    without, _ = peers.trl_scores(task, tokenizer, [prompt["prompt"]], [truth], [truth], [ids], ending=False)
+    assert bool(unfinished[0]) and with_rule[0] == 0 and without[0] > 0
+
+
+def _fake_run():
+    n = 12
+    return SimpleNamespace(
+        trl_times=[1.0] * n, trl_rewards=[0.0] * n, trl_tokens=[1] * n, trl_unfinished=[1.0] * n,
+        hf_times=[1.0] * n, hf_rewards=[0.0] * n, hf_tokens=[1] * n, hf_unfinished=[1.0] * n,
+    )
+
+
+def test_fixed_length_sampling_fills_every_response():
+    """The transformers rollout with min_new_tokens = max_new_tokens: no sample ends early, while
+    the same model and seed without it ends some (so the check can fail)."""
+    from hybridflow.data import keys as K
+    from hybridflow.engines.base import SamplingParams
+    from hybridflow.engines.hf_rollout import HFRolloutEngine
+    from hybridflow.spec.graph import ModelSource
+
+    tokenizer = get_task("copy").tokenizer()
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    model = build_causal_lm(ModelSource(config={}), len(tokenizer), pad, eos, seed=3)
+    prompts = _peers_prompts(tokenizer)
+    lengths = {}
+    for fixed in (0, 10):
+        torch.manual_seed(0)
+        engine = HFRolloutEngine(model, eos_id=eos, pad_id=pad)
+        out = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=10, temperature=2.0, min_new_tokens=fixed))
+        lengths[fixed] = out[K.RESPONSE_MASK].sum(-1)
+        if fixed:
+            assert bool(out[K.TRUNCATED].all()) and not bool((out[K.RESPONSES] == eos).any())
+            assert bool((out[K.ROLLOUT_LOG_PROBS] < 0).all())  # every token has its log-prob
+    assert int(lengths[0].min()) < 10
+    assert bool((lengths[10] == 10).all())
+
+
+def _peers_prompts(tokenizer):
+    from tensordict import NonTensorStack, TensorDict
+
+    from hybridflow.data import keys as K
+
+    enc = tokenizer(["ab", "cde", "f"], padding=True, return_tensors="pt")
+    return TensorDict(
+        {K.PROMPT_IDS: enc["input_ids"], K.PROMPT_MASK: enc["attention_mask"], K.UID: torch.arange(3),
+         K.PROMPT_TEXT: NonTensorStack("ab", "cde", "f"), K.GROUND_TRUTH: NonTensorStack("", "", "")},
+        batch_size=[3],
+    )
+
+
+@pytest.mark.slow  # Ray workers, and vLLM's start on CPU
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_fixed_length_hybridflow_iteration(engine, tmp_path):
+    """One real iteration of peers.py's hybridflow side with --fixed-length: every sample is
+    max-new-tokens long (none ended), and the rewards are the task's, not zeroed."""
+    peers = _peers()
+    # 192 tokens of a random model over 12 symbols: without fixed length some would be EOS.
+    args = peers.parse_args(["--fixed-length", "--engine", engine, "--prompts", "2", "--samples", "4",
+                             "--max-new-tokens", "24", "--hidden-size", "64", "--layers", "1",
+                             "--intermediate-size", "96", "--heads", "2", "--kv-heads", "1"])
+    trainer = peers.hybridflow_trainer(tmp_path / "run", args, 0)
+    try:
+        metrics = trainer.step(1)
+    finally:
+        trainer.shutdown()
+    assert metrics["rollout/num_tokens"] == 2 * 4 * 24
+    assert metrics["reward/unfinished_frac"] == 1.0

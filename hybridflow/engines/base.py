@@ -51,6 +51,9 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 16
     greedy: bool = False
+    # EOS is not sampled before this many new tokens (vLLM's min_tokens, transformers'
+    # min_new_tokens); max_new_tokens = every sample full length.
+    min_new_tokens: int = 0
 
 
 ModelKind = Literal["policy", "value"]  # an LM head (log-probs, entropy) or a scalar head (values)

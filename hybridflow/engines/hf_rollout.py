@@ -64,6 +64,8 @@ class HFRolloutEngine(RolloutEngine):
         sampling = {} if params.greedy else dict(
             temperature=params.temperature, top_p=params.top_p, top_k=params.top_k
         )
+        if params.min_new_tokens:  # EOS masked out before it; the log-probs stay the raw logits'
+            sampling["min_new_tokens"] = params.min_new_tokens
         return GenerationConfig(
             do_sample=not params.greedy,
             max_new_tokens=params.max_new_tokens,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Packed", "SharedPrompts", "pack", "pack_shared_prompts"]
+__all__ = ["Packed", "SharedPrompts", "pack", "pack_shared_prompts", "token_budget_micro_batches"]
 
 
 @dataclass(frozen=True)
@@ -170,3 +170,42 @@ def pack_shared_prompts(
         index=index,
         num_groups=len(prompt_start),
     )
+
+
+def token_budget_micro_batches(tokens: list[int], budget: int) -> list[list[int]]:
+    """Cut samples into micro-batches of at most ``budget`` tokens each, balanced.
+
+    Like verl's ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``: ``k = ceil(sum / budget)``
+    micro-batches to start with; samples, longest first, each go to the least-loaded
+    micro-batch that still has room; when one fits in none, ``k`` grows by one and the cut
+    starts again. A sample longer than ``budget`` gets a micro-batch of its own.
+
+    Args:
+        tokens: the token count of each sample (what a forward of it costs).
+        budget: the most tokens of one micro-batch (>= 1).
+
+    Returns:
+        Sample indices per micro-batch, each list ascending, micro-batches ordered by their
+        first sample; together every index exactly once. Empty for no samples.
+    """
+    if budget < 1:
+        raise ValueError(f"token budget must be >= 1, got {budget}")
+    alone = [i for i, n in enumerate(tokens) if n > budget]
+    rest = [i for i, n in enumerate(tokens) if n <= budget]
+    order = sorted(rest, key=lambda i: (-tokens[i], i))
+    parts = max(1, -(-sum(tokens[i] for i in rest) // budget)) if rest else 0
+    while rest:
+        loads, groups = [0] * parts, [[] for _ in range(parts)]
+        for i in order:
+            fits = [g for g in range(parts) if loads[g] + tokens[i] <= budget]
+            if not fits:
+                break
+            g = min(fits, key=lambda g: (loads[g], g))
+            loads[g] += tokens[i]
+            groups[g].append(i)
+        else:
+            break
+        parts += 1
+    micro = [sorted(g) for g in groups if g] if rest else []
+    micro += [[i] for i in alone]
+    return sorted(micro, key=lambda g: g[0])

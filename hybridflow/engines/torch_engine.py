@@ -24,10 +24,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.nn.parallel import DistributedDataParallel
 
 from hybridflow.algos import count_sequences, entropy_from_logits, log_probs_from_logits
+from hybridflow.algos.chunked_logits import chunked_log_probs_entropy
 from hybridflow.data import keys as K
 from hybridflow.engines.base import LossFn, ModelKind, TrainEngine
 from hybridflow.engines.lora import add_lora, merged_named_weights
-from hybridflow.engines.packing import pack, pack_shared_prompts
+from hybridflow.engines.packing import pack, pack_shared_prompts, token_budget_micro_batches
 from hybridflow.engines.schedule import lr_factor
 from hybridflow.spec.graph import TrainEngineSpec
 
@@ -49,6 +50,10 @@ GATHER_BEFORE_HEAD_VOCAB = 1024
 # (model class, config, shared prompts) whose forward passed the probe: the actor, the
 # reference and a critic of one architecture are probed once per process.
 _PACKING_CHECKED: set[tuple[type, str, bool]] = set()
+
+# Config fields of architectures whose logits are not the plain head product (soft-capping,
+# scaling): their log-probs keep the model's own logits.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 @torch.no_grad()
@@ -115,6 +120,20 @@ def attention_mask_for(model: nn.Module, allowed: torch.Tensor) -> torch.Tensor:
     )
 
 
+class _Hooks:
+    """Removes the given hook handles on exit."""
+
+    def __init__(self, *handles) -> None:
+        self.handles = handles
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 class TorchTrainEngine(TrainEngine):
     """A transformers model (or any module with an HF-style forward) trained with AdamW.
 
@@ -159,6 +178,7 @@ class TorchTrainEngine(TrainEngine):
             check_packing(model, shared_prompts=True)
         elif spec.remove_padding:
             check_packing(model)
+        self._chunk_head = self._chunkable_head()
         self.process_group = process_group
         distributed = dist.is_available() and dist.is_initialized()
         self.dp_size = dist.get_world_size(process_group) if distributed else 1
@@ -188,6 +208,21 @@ class TorchTrainEngine(TrainEngine):
         """Data parallel over the default process group (every rank of the worker group)."""
         return cls(module, spec, total_steps=total_steps, kind=kind, seed=seed)
 
+    def _chunkable_head(self) -> nn.Linear | None:
+        """The LM head whose weight the chunked log-probs read, or None for the model's logits."""
+        if self.kind != "policy" or self.spec.logits_chunk_tokens is None:
+            return None
+        head = self.module.get_output_embeddings() if hasattr(self.module, "get_output_embeddings") else None
+        # A peft-wrapped head is no plain nn.Linear: its adapters would be skipped.
+        if type(head) is not nn.Linear or head.bias is not None:
+            return None
+        if head.weight.shape[0] < GATHER_BEFORE_HEAD_VOCAB:
+            return None
+        config = getattr(self.module, "config", None)
+        if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):
+            return None
+        return head
+
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.process_group
@@ -214,6 +249,8 @@ class TorchTrainEngine(TrainEngine):
             last = (response_mask.sum(-1) - 1).clamp(min=0)
             last_values = tail[:, 1:, 0].float().gather(1, last[:, None])[:, 0]
             return {K.VALUES: values * response_mask, "last_values": last_values}
+        if self._chunk_head is not None:
+            return self._chunked_read_outs(tail[:, :-1], responses, response_mask, temperature)
         logits = tail[:, :-1]
         if logits.dtype not in (torch.float32, torch.float64):  # mixed precision: bf16 logits
             logits = logits.float()
@@ -223,6 +260,38 @@ class TorchTrainEngine(TrainEngine):
             "log_probs": log_probs_from_logits(logits, responses) * mask,
             "entropy": entropy_from_logits(logits) * mask,
         }
+
+    def _chunked_read_outs(
+        self, hidden: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor, temperature: float
+    ) -> dict[str, torch.Tensor]:
+        """``_outputs``' log-probs and entropy (B, R) from the final hidden states (B, R, D) of
+        the response positions, ``spec.logits_chunk_tokens`` valid tokens at a time."""
+        weight = self._chunk_head.weight
+        dtype = torch.bfloat16 if self.spec.compute_dtype == "bfloat16" else weight.dtype
+        valid = response_mask.bool()
+        log_probs, entropy = chunked_log_probs_entropy(
+            hidden[valid].to(dtype), weight.to(dtype), responses[valid], temperature,
+            self.spec.logits_chunk_tokens,
+        )
+        zeros = torch.zeros(responses.shape, dtype=log_probs.dtype, device=log_probs.device)
+        return {"log_probs": zeros.masked_scatter(valid, log_probs), "entropy": zeros.masked_scatter(valid, entropy)}
+
+    def _head_input_capture(self):
+        """While active, the model's ``.logits`` are the LM head's inputs (the final hidden
+        states of the positions it would project) and the head projects no row."""
+        head = self._chunk_head
+        if head is None:
+            return nullcontext()
+        captured: list[torch.Tensor] = []
+
+        def take_input(_head: nn.Module, args: tuple) -> tuple:
+            captured.append(args[0])
+            return (args[0].narrow(-2, 0, 0), *args[1:])
+
+        def give_input(_head: nn.Module, _args: tuple, _out: torch.Tensor) -> torch.Tensor:
+            return captured.pop()
+
+        return _Hooks(head.register_forward_pre_hook(take_input), head.register_forward_hook(give_input))
 
     def _tail_outputs(self, module: nn.Module, mb: TensorDict, num_tail: int) -> torch.Tensor:
         """The model's outputs (logits or values) at the last ``num_tail`` padded positions."""
@@ -236,13 +305,14 @@ class TorchTrainEngine(TrainEngine):
         if not (self.spec.remove_padding or self.spec.share_prompts):
             # A causal LM runs only the last positions through its head.
             keep = {"logits_to_keep": num_tail} if self.kind == "policy" else {}
-            return module(
-                input_ids=mb[K.INPUT_IDS],
-                attention_mask=mb[K.ATTENTION_MASK],
-                position_ids=mb[K.POSITION_IDS],
-                use_cache=False,
-                **keep,
-            ).logits[:, -num_tail:]
+            with self._head_input_capture():
+                return module(
+                    input_ids=mb[K.INPUT_IDS],
+                    attention_mask=mb[K.ATTENTION_MASK],
+                    position_ids=mb[K.POSITION_IDS],
+                    use_cache=False,
+                    **keep,
+                ).logits[:, -num_tail:]
         if self.spec.share_prompts:
             prompt_width = mb[K.INPUT_IDS].shape[1] - mb[K.RESPONSES].shape[1]
             packed = pack_shared_prompts(
@@ -264,13 +334,11 @@ class TorchTrainEngine(TrainEngine):
         def gather_tail(_head: nn.Module, args: tuple) -> tuple:
             return (args[0].flatten(0, 1)[packed.index], *args[1:])
 
-        hook = head.register_forward_pre_hook(gather_tail)
-        try:
+        # The gather runs first; a chunked read-out then captures the gathered hidden states.
+        with _Hooks(head.register_forward_pre_hook(gather_tail)), self._head_input_capture():
             return module(
                 input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, **extra
             ).logits
-        finally:
-            hook.remove()
 
     @torch.no_grad()
     def forward(self, batch: TensorDict, temperature: float = 1.0) -> dict[str, torch.Tensor]:
@@ -283,13 +351,27 @@ class TorchTrainEngine(TrainEngine):
         was_training = self.module.training
         self.module.eval()
         try:
-            parts = [
-                self._outputs(self.module, mb, temperature)
-                for mb in batch.split(self.spec.micro_batch_size)
-            ]
+            rows = self._micro_batch_rows(batch)
+            micro_batches = [batch[r] for r in rows] if rows else batch.split(self.spec.micro_batch_size)
+            parts = [self._outputs(self.module, mb, temperature) for mb in micro_batches]
         finally:
             self.module.train(was_training)
-        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        out = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        if not rows:
+            return out
+        order = torch.cat(rows)  # the samples' places in `batch`
+        return {key: torch.empty_like(value).index_copy_(0, order, value) for key, value in out.items()}
+
+    def _micro_batch_rows(self, batch: TensorDict) -> list[torch.Tensor]:
+        """With ``micro_batch_tokens``: the rows of ``batch`` of each micro-batch of the balanced
+        token-budget cut. Empty without one (``micro_batch_size`` samples each, in order)."""
+        budget = self.spec.micro_batch_tokens
+        if budget is None:
+            return []
+        mask = batch[K.ATTENTION_MASK]
+        packed = self.spec.remove_padding or self.spec.share_prompts
+        tokens = mask.sum(-1).tolist() if packed else [mask.shape[1]] * mask.shape[0]
+        return [torch.tensor(g) for g in token_budget_micro_batches(tokens, budget)]
 
     # -- update -------------------------------------------------------------------------------
 
@@ -323,7 +405,8 @@ class TorchTrainEngine(TrainEngine):
         num_global_seqs = counts[1].to(torch.float32)
 
         self.optimizer.zero_grad(set_to_none=True)
-        micro_batches = batch.split(self.spec.micro_batch_size)
+        rows = self._micro_batch_rows(batch)
+        micro_batches = [batch[r] for r in rows] if rows else batch.split(self.spec.micro_batch_size)
         loss_sum = torch.zeros((), dtype=torch.float64)
         weighted_metrics: dict[str, float] = {}
         for i, mb in enumerate(micro_batches):

@@ -242,6 +242,7 @@ class VLLMRolloutEngine(RolloutEngine):
             max_tokens=params.max_new_tokens,
             logprobs=0,  # the sampled token's log-prob only
             stop_token_ids=[self.eos_id],
+            min_tokens=params.min_new_tokens,  # EOS (a stop token) not sampled before it
             detokenize=False,
         )
         if params.greedy:

@@ -37,7 +37,8 @@ class UpdatePlan:
     samples_per_rank: int
     samples_per_step: int  # one mini-batch over all ranks
     samples_per_rank_step: int
-    micro_batches_per_step: int  # gradient-accumulation steps on one rank
+    micro_batches_per_step: int  # gradient-accumulation steps on one rank (at most, by tokens)
+    micro_batch_tokens: int | None = None  # train.micro_batch_tokens: cut by a token budget
 
     @property
     def steps_per_iteration(self) -> int:
@@ -61,11 +62,16 @@ class BatchPlan:
             f"{self.samples_per_prompt} samples/prompt (rollout.n) = {self.samples_per_iteration} samples/iteration"
         ]
         for u in self.updates:
+            micro = (
+                f"{u.micro_batches_per_step} micro-batches of <= {u.micro_batch_size})"
+                if u.micro_batch_tokens is None
+                else f"micro-batches of <= {u.micro_batch_tokens} tokens)"
+            )
             lines.append(
                 f"  {u.node} ({u.model}, dp={u.dp}): {u.samples_per_rank} samples/rank; "
                 f"{u.mini_batches} mini-batches x {u.epochs} epochs = {u.steps_per_iteration} optimizer "
                 f"steps/iteration of {u.samples_per_step} samples ({u.samples_per_rank_step}/rank = "
-                f"{u.micro_batches_per_step} micro-batches of <= {u.micro_batch_size})"
+                + micro
             )
         return "\n".join(lines)
 
@@ -125,7 +131,14 @@ def batch_plan(spec: GraphSpec, layouts: dict[str, ParallelLayout], file: str) -
         dp = layouts[node.model].dp
         mini_batches = node.options.mini_batches
         per_rank_step = prompts * n // dp // mini_batches
-        micro = spec.models[node.model].train.micro_batch_size
+        train = spec.models[node.model].train
+        micro = train.micro_batch_size
+        if train.micro_batch_tokens is not None and getattr(node.options, "loss_agg", None) == "bnpo":
+            raise SpecError(
+                file, f"models.{node.model}.train.micro_batch_tokens",
+                f"node {node.name!r} aggregates its loss with 'bnpo', a mean per micro-batch, which "
+                "a token-budget cut would change; use micro_batch_size or another loss_agg",
+            )
         updates.append(
             UpdatePlan(
                 node=node.name,
@@ -138,6 +151,7 @@ def batch_plan(spec: GraphSpec, layouts: dict[str, ParallelLayout], file: str) -
                 samples_per_step=per_rank_step * dp,
                 samples_per_rank_step=per_rank_step,
                 micro_batches_per_step=math.ceil(per_rank_step / micro),
+                micro_batch_tokens=train.micro_batch_tokens,
             )
         )
     return BatchPlan(prompts, n, tuple(updates))

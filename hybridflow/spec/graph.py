@@ -208,6 +208,26 @@ class TrainEngineSpec(Spec):
         "share a micro-batch. Takes the place of remove_padding. The attention mask is dense "
         "(tokens^2 of a micro-batch): meant for micro-batches of a few thousand tokens.",
     )
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Torch engine: cut each forward's and update's batch into micro-batches by "
+        "a token budget instead of micro_batch_size samples (verl's ppo_max_token_len_per_gpu "
+        "with use_dynamic_bsz): balanced micro-batches of at most this many tokens (valid "
+        "prompt + response tokens with remove_padding or share_prompts, the padded width "
+        "without), a longer sample alone. Gradients equal the fixed-count cut's up to float "
+        "rounding (the loss normalisers are global); refused with loss_agg 'bnpo', which "
+        "normalises per micro-batch. null = micro_batch_size samples.",
+    )
+    logits_chunk_tokens: int | None = Field(
+        1024,
+        ge=1,
+        description="Torch engine, policy with a vocabulary of >= 1024 words and a plain linear "
+        "LM head: log-probs and entropy are computed from the final hidden states this many "
+        "response tokens at a time, in the forward and (recomputing each chunk's logits) in the "
+        "backward, so no full-vocabulary float32 logits of a whole micro-batch are held. Equal "
+        "to the full logits' read-outs up to float rounding. null = project every token at once.",
+    )
     optim: OptimSpec = Field(default_factory=OptimSpec, description="Used by update nodes.")
     lora: LoraSpec | None = Field(
         None,
@@ -226,6 +246,8 @@ class TrainEngineSpec(Spec):
             )
         if self.share_prompts and self.engine != "torch":
             raise ValueError("share_prompts is for train.engine 'torch'")
+        if self.micro_batch_tokens is not None and self.engine != "torch":
+            raise ValueError("micro_batch_tokens is for train.engine 'torch'")
         if self.lora is not None and self.engine != "torch":
             raise ValueError("lora is for train.engine 'torch'")
         return self
@@ -239,6 +261,14 @@ class RolloutSpec(Spec):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1 = off.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
+    fixed_length: bool = Field(
+        False,
+        description="Benchmarking: EOS is never sampled, so every sample generates "
+        "data.max_response_length tokens (vLLM min_tokens, transformers min_new_tokens) and "
+        "system speed is measured apart from learned lengths. Every response is then truncated "
+        "(no EOS): pair it with the score node's unfinished: keep. Greedy (validation) "
+        "generation is left alone.",
+    )
     layout: ParallelLayout = Field(
         default_factory=ParallelLayout,
         description="Generation layout (tg, pg); divides the training tp, pp. The rollout "

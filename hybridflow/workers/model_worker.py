@@ -180,6 +180,7 @@ class ModelWorker(Worker):
             top_k=rollout.top_k,
             max_new_tokens=self.spec.data.max_response_length,
             greedy=greedy,
+            min_new_tokens=self.spec.data.max_response_length if rollout.fixed_length and not greedy else 0,
         )
         out = self.rollout_engines[node.model].generate(batch, params)
         out[K.WEIGHT_VERSION] = torch.full((out.batch_size[0],), self.rollout_versions[node.model], dtype=torch.int64)
