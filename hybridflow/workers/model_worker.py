@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 from hybridflow.algos import POLICY_LOSSES, agg_loss, informative_groups, kl_penalty, masked_mean
 from hybridflow.data import keys as K
-from hybridflow.data.batch import place_sequence_reward
+from hybridflow.data.batch import place_sequence_reward, repeat_interleave_td
 from hybridflow.engines.base import ROLLOUT_ENGINES, TRAIN_ENGINES, RolloutEngine, SamplingParams, TrainEngine
 from hybridflow.engines.lora import BaseModelEngine
 from hybridflow.engines.models import build_causal_lm, build_value_model
@@ -184,6 +184,53 @@ class ModelWorker(Worker):
             "response/truncated_frac": float(out[K.TRUNCATED].float().mean()),
         }
         return out, {"metrics": metrics, "sums": {"rollout/num_tokens": float(response_mask.sum())}}
+
+    def generate_multi_turn(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
+        """Multi-turn episodes against the node's environment (``hybridflow.envs.rollout``);
+        the environment's rewards are the scores."""
+        from hybridflow.envs.base import env_factory
+        from hybridflow.envs.rollout import (
+            TurnLimits, episode_fields, episode_metrics, make_episodes, run_episodes, unpadded,
+        )
+
+        opts = node.spec.options  # MultiTurnOptions
+        rollout = self.spec.models[node.model].rollout
+        params = SamplingParams(
+            temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k, greedy=opts.greedy
+        )
+        batch = repeat_interleave_td(batch, 1 if opts.greedy else rollout.n)
+        make_env = env_factory(opts.env, opts.env_kwargs)
+        rows = [
+            {"prompt": p, "ground_truth": g}
+            for p, g in zip(batch.get(K.PROMPT_TEXT).tolist(), batch.get(K.GROUND_TRUTH).tolist())
+        ]
+        episodes = make_episodes(unpadded(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK]), rows, make_env)
+        stop = make_env().stop_strings()
+        engine, tok = self.rollout_engines[node.model], self.tokenizer
+        width = self.spec.data.max_response_length
+        run_episodes(
+            episodes,
+            lambda contexts, budgets: engine.generate_turns(contexts, budgets, params, stop),
+            lambda ids: tok.decode(ids, skip_special_tokens=True),
+            lambda text: tok.encode(text, add_special_tokens=False),
+            TurnLimits(opts.max_turns, width, tok.eos_token_id),
+            overlap=opts.overlap,
+            num_env_workers=opts.num_env_workers,
+        )
+        batch.update(episode_fields(episodes, batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], width, tok.pad_token_id))
+        lengths = batch[K.RESPONSE_MASK].sum(-1).float()
+        scores = batch[K.SCORES]
+        metrics = {
+            **episode_metrics(episodes),
+            "response_length/mean": float(lengths.mean()),
+            "reward/mean": float(scores.mean()),
+            "reward/sq_mean": float((scores**2).mean()),
+        }
+        sums = {
+            "rollout/num_tokens": float(batch[K.RESPONSE_MASK].sum()),
+            "tool/errors": float(sum(e.tool_errors for e in episodes)),
+        }
+        return batch, {"metrics": metrics, "sums": sums, "samples": self._samples(batch, scores, "reward")}
 
     def log_prob(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
         out = self.train_engines[node.model].forward(batch, self._temperature())

@@ -1,0 +1,50 @@
+"""The ``product`` task's environment: products of 3-digit numbers, only reachable with ``calc``.
+
+A prompt is ``"123*456="``; a tiny model cannot compute the product, but it can send the
+expression to the calculator (tags ``(`` and ``)``: ``(123*456)``), read the result (between
+``[`` and ``]``) and copy it out as its answer. Rewards, summed over an episode:
+
+- the first well-formed call: ``CALL_REWARD`` when the call is well formed (the calculator answers) and
+  up to ``OPERANDS_REWARD`` more, by the character accuracy of its expression against the
+  prompt's (``123*456``: exactly the prompt's two numbers); later calls get nothing (paying
+  every call taught the model to call until ``max_turns`` instead of answering);
+- the final turn: 1.0 for the exact product, else ``PARTIAL_REWARD`` x its character accuracy.
+
+The shaping lets GRPO's group-relative advantages differ while the success rate is still ~0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridflow.data.tasks import char_accuracy
+from hybridflow.envs.parsing import ToolCall
+from hybridflow.envs.tools import ToolEnv
+
+PRODUCT_FORMAT = {"open": "(", "close": ")", "result_open": "[", "result_close": "]", "default_tool": "calc"}
+CALL_REWARD = 0.1
+OPERANDS_REWARD = 0.2
+PARTIAL_REWARD = 0.2
+
+
+class ProductEnv(ToolEnv):
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("tools", ["calc"])
+        kwargs.setdefault("tool_format", PRODUCT_FORMAT)
+        super().__init__(**kwargs)
+
+    def reset(self, row: dict[str, Any]) -> str:
+        self.shaped = False
+        return super().reset(row)
+
+    def call_reward(self, call: ToolCall, ok: bool) -> float:
+        if not ok or self.shaped:
+            return 0.0
+        self.shaped = True  # once per episode: more calls must not pay more
+        question = str(self.row.get("prompt", "")).rstrip("=")
+        return CALL_REWARD + OPERANDS_REWARD * char_accuracy(call.argument.strip(), question)
+
+    def final_reward(self, answer: str) -> float:
+        truth = str(self.row.get("ground_truth", ""))
+        answer = answer.strip()
+        return 1.0 if answer == truth else PARTIAL_REWARD * char_accuracy(answer, truth)
