@@ -122,9 +122,13 @@ class ToolEnv(Environment):
                 raise ToolError(f"error: unknown tool {call.tool!r}")
             text, ok = self.tools[call.tool](call.argument), True
         except ToolError as exc:
-            text, ok = str(exc), False
+            text, ok = self.error_text(str(exc)), False
         return Step(self.format.render_result(text), self.call_reward(call, ok), False,
                     {"tool_calls": 1, "tool_errors": int(not ok)})
+
+    def error_text(self, message: str) -> str:
+        """What a failed call shows the model (the tool's error message)."""
+        return message
 
     def call_reward(self, call: ToolCall, ok: bool) -> float:
         """Reward of a tool-call step (0: no shaping)."""

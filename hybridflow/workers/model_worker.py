@@ -230,7 +230,7 @@ class ModelWorker(Worker):
             "rollout/num_tokens": float(batch[K.RESPONSE_MASK].sum()),
             "tool/errors": float(sum(e.tool_errors for e in episodes)),
         }
-        return batch, {"metrics": metrics, "sums": sums, "samples": self._samples(batch, scores, "reward")}
+        return batch, {"metrics": metrics, "sums": sums, "samples": self._samples(batch, scores, "reward", observations=True)}
 
     def log_prob(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
         out = self.train_engines[node.model].forward(batch, self._temperature())
@@ -283,7 +283,7 @@ class ModelWorker(Worker):
         metrics.update({f"{prefix}/mean": float(scores.mean()), f"{prefix}/sq_mean": float((scores**2).mean())})
         return result, {"metrics": metrics, "sums": sums, "samples": self._samples(batch, scores, prefix)}
 
-    def _samples(self, batch: TensorDict, scores: torch.Tensor, score_name: str) -> list[dict]:
+    def _samples(self, batch: TensorDict, scores: torch.Tensor, score_name: str, observations: bool = False) -> list[dict]:
         """A few decoded generations for RUN_DIR/samples.jsonl, spread over this rank's prompts.
 
         Decoded here, where the tokens are, so the controller gets short strings in the meta and
@@ -294,9 +294,10 @@ class ModelWorker(Worker):
             return []
         count = min(len(scores), math.ceil(trainer.num_logged_samples / self.world_size))
         rows = torch.linspace(0, len(scores) - 1, count).round().long().tolist()
-        responses = self.tokenizer.batch_decode(
-            batch[K.RESPONSES][rows] * batch[K.RESPONSE_MASK][rows], skip_special_tokens=True
-        )
+        # With ``observations`` (multi-turn) the environment's tokens are shown too.
+        width = batch[K.RESPONSES].shape[1]
+        mask = batch[K.ATTENTION_MASK][:, -width:] if observations else batch[K.RESPONSE_MASK]
+        responses = self.tokenizer.batch_decode(batch[K.RESPONSES][rows] * mask[rows], skip_special_tokens=True)
         prompts = batch.get(K.PROMPT_TEXT).tolist()
         truths = batch.get(K.GROUND_TRUTH).tolist() if K.GROUND_TRUTH in batch.keys() else None
         return [
