@@ -62,13 +62,13 @@ def test_product_env_shapes_rewards():
     row = {"prompt": "123*456=", "ground_truth": "56088"}
     env.reset(row)
     right = env.step("(123*456)")
-    assert right.observation == "[56088]" and right.reward == pytest.approx(0.3)
+    assert right.observation == "[56088]" and right.reward == pytest.approx(0.6)
     assert env.step("(123*456)").reward == 0.0  # shaping is paid once per episode
     assert env.step("56088") == Step("", 1.0, True, {"success": True})
     env.reset(row)
     assert env.step("(12*)") == Step("[]", 0.0, False, {"tool_calls": 1, "tool_errors": 1})  # not an expression
-    assert env.step("(123*999)").reward == pytest.approx(0.1 + 0.2 * 4 / 7)  # well formed, 4 of 7 right
-    assert env.step("56000").reward == pytest.approx(0.2 * 3 / 5)
+    assert env.step("(123*999)").reward == pytest.approx(0.1 + 0.5 * 4 / 7)  # well formed, 4 of 7 right
+    assert env.step("56000").reward == pytest.approx(0.5 * 3 / 5)
 
 
 def test_unknown_environment_is_one_line():

@@ -23,8 +23,8 @@ from hybridflow.envs.tools import ToolEnv
 
 PRODUCT_FORMAT = {"open": "(", "close": ")", "result_open": "[", "result_close": "]", "default_tool": "calc"}
 CALL_REWARD = 0.1
-OPERANDS_REWARD = 0.2
-PARTIAL_REWARD = 0.2
+OPERANDS_REWARD = 0.5
+PARTIAL_REWARD = 0.5
 
 
 class ProductEnv(ToolEnv):
