@@ -330,3 +330,33 @@ def test_vllm_multi_turn_matches_the_training_forward():
     assert result["diff_max"] < 1e-4, result["diff_max"]
     assert result["tool_calls"] >= 1 and any(0 in mask for mask in result["model_masks"])
     assert all(1 <= t <= 3 for t in result["turns"])
+
+
+def test_tool_env_in_the_chat_template_format(chat_tokenizer):
+    env = ToolEnv(tools=["calc"], tool_format="chat")
+    env.use_tokenizer(chat_tokenizer)
+    env.reset({"ground_truth": "42"})
+    assert env.stop_strings() == []  # a chat turn ends at EOS
+    step = env.step('<think>hm</think><tool_call>{"name": "calc", "arguments": "6*7"}</tool_call>')
+    assert step.observation == "\n<|im_start|>tool\n42<eos>\n<|im_start|>assistant\n"
+    assert step.info == {"tool_calls": 1, "tool_errors": 0}
+    assert env.step("42").reward == 1.0
+    with pytest.raises(ValueError, match="tool_format 'xml'"):
+        ToolEnv(tool_format="xml")
+
+
+def test_env_rows_carry_the_row_fields():
+    from tensordict import TensorDict
+
+    from hybridflow.data import keys as K
+    from hybridflow.envs.rollout import env_rows
+
+    batch = TensorDict({K.PROMPT_IDS: torch.zeros(2, 3)}, batch_size=[2])
+    batch[K.PROMPT_TEXT] = ["a=", "b="]
+    batch[K.GROUND_TRUTH] = ["1", "2"]
+    batch[K.EXTRA_INFO] = ['{"k": 1}', "null"]
+    rows = env_rows(batch)
+    assert rows == [
+        {"prompt": "a=", "ground_truth": "1", "data_source": "", "extra_info": {"k": 1}},
+        {"prompt": "b=", "ground_truth": "2", "data_source": "", "extra_info": None},
+    ]

@@ -39,6 +39,10 @@ class Environment(abc.ABC):
     def step(self, action_text: str) -> Step:
         """React to the model's turn ``action_text``."""
 
+    def use_tokenizer(self, tokenizer) -> None:
+        """Called once per episode, before ``reset``, with the actor's tokenizer (an environment
+        that renders observations with its chat template keeps it). No-op by default."""
+
     def stop_strings(self) -> list[str]:
         """Strings that end a model turn besides EOS (a tool call's closing tag)."""
         return []

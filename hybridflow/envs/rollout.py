@@ -211,5 +211,33 @@ def unpadded(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
 
 
-def make_episodes(prompts: list[list[int]], rows: list[dict[str, Any]], make_env: Callable[[], Environment]) -> list[Episode]:
-    return [Episode(list(ids), make_env(), row) for ids, row in zip(prompts, rows)]
+def make_episodes(
+    prompts: list[list[int]], rows: list[dict[str, Any]], make_env: Callable[[], Environment], tokenizer=None
+) -> list[Episode]:
+    """One episode per prompt, each with a fresh environment (given ``tokenizer``)."""
+    episodes = []
+    for ids, row in zip(prompts, rows):
+        env = make_env()
+        if tokenizer is not None:
+            env.use_tokenizer(tokenizer)
+        episodes.append(Episode(list(ids), env, row))
+    return episodes
+
+
+def env_rows(batch) -> list[dict[str, Any]]:
+    """What ``Environment.reset`` gets per sample of a prompt batch: ``prompt`` (text),
+    ``ground_truth``, ``data_source`` and ``extra_info`` (parsed from its JSON)."""
+    import json
+
+    size = batch.batch_size[0]
+
+    def column(key: str, default: str) -> list[str]:
+        return batch.get(key).tolist() if key in batch.keys() else [default] * size
+
+    return [
+        {"prompt": p, "ground_truth": g, "data_source": d, "extra_info": json.loads(e)}
+        for p, g, d, e in zip(
+            column(K.PROMPT_TEXT, ""), column(K.GROUND_TRUTH, ""), column(K.DATA_SOURCE, ""),
+            column(K.EXTRA_INFO, "null"),
+        )
+    ]

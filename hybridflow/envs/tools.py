@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridflow.envs.base import Environment, Step
-from hybridflow.envs.parsing import TagFormat, ToolCall
+from hybridflow.envs.parsing import ChatTemplateFormat, TagFormat, ToolCall
 
 
 class ToolError(Exception):
@@ -95,15 +95,22 @@ class ToolEnv(Environment):
 
     Args:
         tools: tool names (``calc``, ``python``) or a ready mapping name -> callable(str) -> str.
-        tool_format: ``TagFormat`` fields.
+        tool_format: ``TagFormat`` fields, or ``"chat"``: Hermes-style calls and results
+            rendered by the tokenizer's chat template (``ChatTemplateFormat``).
         sandbox: ``SandboxConfig`` fields for the python tool.
     """
 
     def __init__(self, tools: list[str] | dict[str, Callable[[str], str]] = ("calc",),
-                 tool_format: dict[str, str] | None = None, sandbox: dict[str, Any] | None = None) -> None:
+                 tool_format: dict[str, str] | str | None = None, sandbox: dict[str, Any] | None = None) -> None:
         self.tools = dict(tools) if isinstance(tools, dict) else build_tools(list(tools), sandbox)
-        self.format = TagFormat(**(tool_format or {}))
+        if isinstance(tool_format, str) and tool_format != "chat":
+            raise ValueError(f"tool_format {tool_format!r}: expected 'chat' or TagFormat fields")
+        self.format = None if tool_format == "chat" else TagFormat(**(tool_format or {}))
         self.row: dict[str, Any] = {}
+
+    def use_tokenizer(self, tokenizer) -> None:
+        if self.format is None:
+            self.format = ChatTemplateFormat(tokenizer)
 
     def reset(self, row: dict[str, Any]) -> str:
         self.row = row

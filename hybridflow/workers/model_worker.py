@@ -190,7 +190,7 @@ class ModelWorker(Worker):
         the environment's rewards are the scores."""
         from hybridflow.envs.base import env_factory
         from hybridflow.envs.rollout import (
-            TurnLimits, episode_fields, episode_metrics, make_episodes, run_episodes, unpadded,
+            TurnLimits, env_rows, episode_fields, episode_metrics, make_episodes, run_episodes, unpadded,
         )
 
         opts = node.spec.options  # MultiTurnOptions
@@ -200,13 +200,9 @@ class ModelWorker(Worker):
         )
         batch = repeat_interleave_td(batch, 1 if opts.greedy else rollout.n)
         make_env = env_factory(opts.env, opts.env_kwargs)
-        rows = [
-            {"prompt": p, "ground_truth": g}
-            for p, g in zip(batch.get(K.PROMPT_TEXT).tolist(), batch.get(K.GROUND_TRUTH).tolist())
-        ]
-        episodes = make_episodes(unpadded(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK]), rows, make_env)
-        stop = make_env().stop_strings()
         engine, tok = self.rollout_engines[node.model], self.tokenizer
+        episodes = make_episodes(unpadded(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK]), env_rows(batch), make_env, tok)
+        stop = episodes[0].env.stop_strings() if episodes else []
         width = self.spec.data.max_response_length
         run_episodes(
             episodes,
