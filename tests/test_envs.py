@@ -360,3 +360,16 @@ def test_env_rows_carry_the_row_fields():
         {"prompt": "a=", "ground_truth": "1", "data_source": "", "extra_info": {"k": 1}},
         {"prompt": "b=", "ground_truth": "2", "data_source": "", "extra_info": None},
     ]
+
+
+def test_a_hanging_environment_step_times_out_and_the_rest_go_on():
+    class Hangs(ScriptedEnv):
+        def step(self, action_text):
+            threading.Event().wait(3)  # far beyond the timeout (and the thread still ends soon)
+            return super().step(action_text)
+
+    start = time.monotonic()
+    (hung, good), _ = _run([Hangs(), ScriptedEnv(turns=2)], TurnLimits(4, 32, EOS, step_timeout_s=0.5))
+    assert time.monotonic() - start < 5
+    assert hung.done and hung.tool_errors == 1 and hung.score == 0.0
+    assert good.done and good.score == 3.0

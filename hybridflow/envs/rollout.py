@@ -22,6 +22,8 @@ compared in the rollout-vs-training log-prob check), ``attention_mask`` is 1 on 
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -77,6 +79,7 @@ class TurnLimits:
     max_turns: int
     max_response_tokens: int
     eos_id: int
+    step_timeout_s: float = math.inf  # a slower environment step ends its episode (an error)
 
 
 def run_episodes(
@@ -96,17 +99,24 @@ def run_episodes(
         if not episode.done:
             ready.append(episode)
     pending: dict[Future, Episode] = {}
-    with ThreadPoolExecutor(max_workers=num_env_workers, thread_name_prefix="env") as pool:
+    deadlines: dict[Future, float] = {}
+    pool = ThreadPoolExecutor(max_workers=num_env_workers, thread_name_prefix="env")
+    try:
         while ready or pending:
-            if pending and not overlap and not ready:
-                wait(pending)  # lock-step: the round's every step
-            elif pending and not ready:
-                wait(pending, return_when=FIRST_COMPLETED)
-                wait(pending, timeout=GATHER_S)  # steps finishing together share a generate call
-            finished = {f for f in pending if f.done()}
-            for future in finished:
+            if pending and not ready:
+                timeout = max(0.0, min(deadlines[f] for f in pending) - time.monotonic())
+                timeout = None if math.isinf(timeout) else timeout
+                if overlap:
+                    wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+                    wait(pending, timeout=GATHER_S)  # steps finishing together share a generate call
+                else:
+                    wait(pending, timeout=timeout)  # lock-step: the round's every step
+            now = time.monotonic()
+            for future in [f for f in pending if f.done() or deadlines[f] <= now]:
                 episode = pending.pop(future)
-                if _after_step(episode, _step_result(future), tokenize, limits):
+                step = _step_result(future) if future.done() else _timed_out(limits.step_timeout_s)
+                del deadlines[future]
+                if _after_step(episode, step, tokenize, limits):
                     ready.append(episode)
             if ready and (overlap or not pending):
                 batch, ready = ready, []
@@ -120,10 +130,18 @@ def run_episodes(
                         episode.done = episode.truncated = True  # cut mid-turn: no step
                         continue
                     text = decode([t for t in tokens if t != limits.eos_id])
-                    pending[pool.submit(episode.env.step, text)] = episode
+                    future = pool.submit(episode.env.step, text)
+                    pending[future], deadlines[future] = episode, time.monotonic() + limits.step_timeout_s
+    finally:
+        # A step that timed out may still be running: it is not waited for (its result is dropped).
+        pool.shutdown(wait=False, cancel_futures=True)
     for episode in episodes:
         episode.env.close()
     return episodes
+
+
+def _timed_out(seconds: float) -> Step:
+    return Step("", 0.0, True, {"tool_errors": 1, "timed_out": True})
 
 
 def _step_result(future: Future) -> Step:

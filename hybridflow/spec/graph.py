@@ -322,6 +322,10 @@ class MultiTurnOptions(Spec):
         "joins the next generate call without waiting for the other episodes' steps.",
     )
     num_env_workers: int = Field(8, ge=1, description="Threads running environment steps.")
+    step_timeout_s: float = Field(
+        60.0, gt=0, description="An environment step slower than this ends its episode as an error "
+        "(reward so far, tool/errors + 1); the run goes on.",
+    )
 
 
 class GenerateNode(NodeBase):

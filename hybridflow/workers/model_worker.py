@@ -209,7 +209,7 @@ class ModelWorker(Worker):
             lambda contexts, budgets: engine.generate_turns(contexts, budgets, params, stop),
             lambda ids: tok.decode(ids, skip_special_tokens=True),
             lambda text: tok.encode(text, add_special_tokens=False),
-            TurnLimits(opts.max_turns, width, tok.eos_token_id),
+            TurnLimits(opts.max_turns, width, tok.eos_token_id, opts.step_timeout_s),
             overlap=opts.overlap,
             num_env_workers=opts.num_env_workers,
         )
