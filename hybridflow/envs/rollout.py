@@ -114,7 +114,7 @@ def run_episodes(
             now = time.monotonic()
             for future in [f for f in pending if f.done() or deadlines[f] <= now]:
                 episode = pending.pop(future)
-                step = _step_result(future) if future.done() else _timed_out(limits.step_timeout_s)
+                step = _step_result(future) if future.done() else TIMED_OUT
                 del deadlines[future]
                 if _after_step(episode, step, tokenize, limits):
                     ready.append(episode)
@@ -140,8 +140,7 @@ def run_episodes(
     return episodes
 
 
-def _timed_out(seconds: float) -> Step:
-    return Step("", 0.0, True, {"tool_errors": 1, "timed_out": True})
+TIMED_OUT = Step("", 0.0, True, {"tool_errors": 1, "timed_out": True})
 
 
 def _step_result(future: Future) -> Step:
@@ -155,7 +154,7 @@ def _step_result(future: Future) -> Step:
 
 def _after_step(episode: Episode, step: Step, tokenize, limits: TurnLimits) -> bool:
     """Record ``step``; True when the episode takes another model turn."""
-    last_model = max(i for i, m in enumerate(episode.model_mask) if m)
+    last_model = max((i for i, m in enumerate(episode.model_mask) if m), default=0)
     episode.step_rewards.append((last_model, float(step.reward)))
     episode.tool_calls += int(step.info.get("tool_calls", 0))
     episode.tool_errors += int(step.info.get("tool_errors", 0))
