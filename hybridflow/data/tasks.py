@@ -7,7 +7,7 @@ and the three special tokens, so a tiny model needs only a dozen output classes.
 - ``copy``: the answer is the letters as given (``"cab="`` -> ``"cab"``). Measured to go from
   ~0.1 to 1.0 reward under plain GRPO on a hidden-64 two-layer Qwen2 within 60 iterations.
 - ``reverse``: the answer is the letters reversed (``"cab="`` -> ``"bac"``). Harder.
-- ``product``: ``"123*456="`` -> ``"56088"``: beyond a tiny model, but not with a calculator;
+- ``product``: ``"12*34="`` -> ``"408"``: beyond a tiny model, but not with a calculator;
   the multi-turn environment ``hybridflow.envs.product`` offers one.
 
 Rewards are per-position character accuracy (see ``char_accuracy``), exposed at module level so
@@ -131,7 +131,7 @@ def _reversed(body: str) -> str:
 
 
 def _draw_product(rng: random.Random) -> str:
-    return f"{rng.randint(100, 999)}*{rng.randint(100, 999)}"
+    return f"{rng.randint(10, 99)}*{rng.randint(10, 99)}"
 
 
 def _product(body: str) -> str:
@@ -150,11 +150,11 @@ def product_reward(prompt: str, response: str, ground_truth: str) -> float:
 TASKS: dict[str, Task] = {
     "copy": Task(name="copy", letters="abcdefgh", answer=_same, reward_fn=copy_reward),
     "reverse": Task(name="reverse", letters="abcdefgh", answer=_reversed, reward_fn=reverse_reward),
-    # "123*456=": 3-digit products, a task for a calculator tool (hybridflow.envs.product);
+    # "12*34=": 2-digit products, a task for a calculator tool (hybridflow.envs.product);
     # "()[]" are the call and result tags.
     "product": Task(
         name="product", letters="0123456789", answer=_product, reward_fn=product_reward,
-        symbols="*()[]", draw=_draw_product, num_distinct=900 * 900,
+        symbols="*()[]", draw=_draw_product, num_distinct=90 * 90,
     ),
 }
 

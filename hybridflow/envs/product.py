@@ -1,12 +1,13 @@
-"""The ``product`` task's environment: products of 3-digit numbers, only reachable with ``calc``.
+"""The ``product`` task's environment: products of 2-digit numbers, only reachable with ``calc``.
 
-A prompt is ``"123*456="``; a tiny model cannot compute the product, but it can send the
-expression to the calculator (tags ``(`` and ``)``: ``(123*456)``), read the result (between
-``[`` and ``]``) and copy it out as its answer. Rewards, summed over an episode:
+A prompt is ``"12*34="``; a tiny model cannot compute the product (8,100 of them, none
+repeated between the train and validation prompts), but it can send the expression to the
+calculator (tags ``(`` and ``)``: ``(12*34)``), read the result (between ``[`` and ``]``:
+``[408]``) and copy it out as its answer (``408``). Rewards, summed over an episode:
 
 - the first well-formed call: ``CALL_REWARD`` when the call is well formed (the calculator answers) and
   up to ``OPERANDS_REWARD`` more, by the character accuracy of its expression against the
-  prompt's (``123*456``: exactly the prompt's two numbers); later calls get nothing (paying
+  prompt's (``12*34``: exactly the prompt's two numbers); later calls get nothing (paying
   every call taught the model to call until ``max_turns`` instead of answering);
 - the final turn: 1.0 for the exact product, else ``PARTIAL_REWARD`` x its character accuracy.
 
