@@ -59,16 +59,18 @@ def test_python_tool_runs_in_the_sandbox():
 def test_product_env_shapes_rewards():
     env = env_factory("product")()
     assert isinstance(env, ProductEnv)
-    row = {"prompt": "123*456=", "ground_truth": "56088"}
+    row = {"prompt": "12*34=", "ground_truth": "408"}
     env.reset(row)
-    right = env.step("(123*456)")
-    assert right.observation == "[56088]" and right.reward == pytest.approx(0.6)
-    assert env.step("(123*456)").reward == 0.0  # shaping is paid once per episode
-    assert env.step("56088") == Step("", 1.0, True, {"success": True})
+    assert env.step("400").reward == 0.0  # no call, wrong: nothing (no partial credit for guessing)
+    env.reset(row)
+    right = env.step("(12*34)")
+    assert right.observation == "[408]" and right.reward == pytest.approx(0.5)
+    assert env.step("(12*34)").reward == 0.0  # shaping is paid once per episode
+    assert env.step("408") == Step("", 1.0, True, {"success": True})
     env.reset(row)
     assert env.step("(12*)") == Step("[]", 0.0, False, {"tool_calls": 1, "tool_errors": 1})  # not an expression
-    assert env.step("(123*999)").reward == pytest.approx(0.1 + 0.5 * 4 / 7)  # well formed, 4 of 7 right
-    assert env.step("56000").reward == pytest.approx(0.5 * 3 / 5)
+    assert env.step("(12*99)").reward == pytest.approx(0.1 + 0.4 * 3 / 5)  # well formed, 3 of 5 right
+    assert env.step("1180").reward == pytest.approx(0.4 * 3 / 4)  # copies 3 of the 4 digits of [1188]
 
 
 def test_unknown_environment_is_one_line():

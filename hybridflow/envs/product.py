@@ -9,7 +9,10 @@ calculator (tags ``(`` and ``)``: ``(12*34)``), read the result (between ``[`` a
   up to ``OPERANDS_REWARD`` more, by the character accuracy of its expression against the
   prompt's (``12*34``: exactly the prompt's two numbers); later calls get nothing (paying
   every call taught the model to call until ``max_turns`` instead of answering);
-- the final turn: 1.0 for the exact product, else ``PARTIAL_REWARD`` x its character accuracy.
+- the final turn: 1.0 for the exact product; else, if a call has answered, up to
+  ``COPY_REWARD`` by the character accuracy of the answer against the last result (copying
+  what the calculator said; partial credit against the true product instead was won by
+  answering ``111`` for every prompt: most products start with a 1).
 
 The shaping lets GRPO's group-relative advantages differ while the success rate is still ~0.
 """
@@ -24,8 +27,8 @@ from hybridflow.envs.tools import ToolEnv
 
 PRODUCT_FORMAT = {"open": "(", "close": ")", "result_open": "[", "result_close": "]", "default_tool": "calc"}
 CALL_REWARD = 0.1
-OPERANDS_REWARD = 0.5
-PARTIAL_REWARD = 0.5
+OPERANDS_REWARD = 0.4
+COPY_REWARD = 0.4
 
 
 class ProductEnv(ToolEnv):
@@ -36,7 +39,14 @@ class ProductEnv(ToolEnv):
 
     def reset(self, row: dict[str, Any]) -> str:
         self.shaped = False
+        self.last_result: str | None = None
         return super().reset(row)
+
+    def step(self, action_text: str):
+        step = super().step(action_text)
+        if not step.done:
+            self.last_result = step.observation[1:-1]  # "[408]" -> "408"
+        return step
 
     def error_text(self, message: str) -> str:
         return ""  # "[]": the tiny alphabet has no letters, and the budget is small
@@ -49,6 +59,7 @@ class ProductEnv(ToolEnv):
         return CALL_REWARD + OPERANDS_REWARD * char_accuracy(call.argument.strip(), question)
 
     def final_reward(self, answer: str) -> float:
-        truth = str(self.row.get("ground_truth", ""))
         answer = answer.strip()
-        return 1.0 if answer == truth else PARTIAL_REWARD * char_accuracy(answer, truth)
+        if answer == str(self.row.get("ground_truth", "")):
+            return 1.0
+        return COPY_REWARD * char_accuracy(answer, self.last_result) if self.last_result else 0.0
