@@ -70,7 +70,10 @@ def test_product_env_shapes_rewards():
     env.reset(row)
     assert env.step("(12*)") == Step("[]", 0.0, False, {"tool_calls": 1, "tool_errors": 1})  # not an expression
     assert env.step("(12*99)").reward == pytest.approx(0.1 + 0.4 * 3 / 5)  # well formed, 3 of 5 right
-    assert env.step("1180").reward == pytest.approx(0.4 * 3 / 4)  # copies 3 of the 4 digits of [1188]
+    assert env.step("1180").reward == pytest.approx(0.4 * 3 / 4 * 3 / 5)  # 3 of 4 digits of [1188], of a 3/5 call
+    env.reset(row)
+    env.step("(7)")
+    assert env.step("7").reward == 0.0  # copying the answer to a wrong question earns nothing
 
 
 def test_unknown_environment_is_one_line():

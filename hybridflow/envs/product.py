@@ -9,10 +9,11 @@ calculator (tags ``(`` and ``)``: ``(12*34)``), read the result (between ``[`` a
   up to ``OPERANDS_REWARD`` more, by the character accuracy of its expression against the
   prompt's (``12*34``: exactly the prompt's two numbers); later calls get nothing (paying
   every call taught the model to call until ``max_turns`` instead of answering);
-- the final turn: 1.0 for the exact product; else, if a call has answered, up to
-  ``COPY_REWARD`` by the character accuracy of the answer against the last result (copying
-  what the calculator said; partial credit against the true product instead was won by
-  answering ``111`` for every prompt: most products start with a 1).
+- the final turn: 1.0 for the exact product; else up to ``COPY_REWARD`` by the character
+  accuracy of the answer against the calculator's last result, times that of the call's
+  operands (copying what the calculator said about the right question: partial credit
+  against the true product was won by answering ``111`` everywhere, most products starting
+  with a 1, and ungated copy credit by calling ``(7)`` and answering ``7``).
 
 The shaping lets GRPO's group-relative advantages differ while the success rate is still ~0.
 """
@@ -40,13 +41,20 @@ class ProductEnv(ToolEnv):
     def reset(self, row: dict[str, Any]) -> str:
         self.shaped = False
         self.last_result: str | None = None
+        self.operands = 0.0  # character accuracy of the last call against the question
         return super().reset(row)
 
     def step(self, action_text: str):
         step = super().step(action_text)
         if not step.done:
             self.last_result = step.observation[1:-1]  # "[408]" -> "408"
+            call = self.format.parse(action_text, list(self.tools))
+            self.operands = char_accuracy(call.argument.strip(), self.question)
         return step
+
+    @property
+    def question(self) -> str:
+        return str(self.row.get("prompt", "")).rstrip("=")
 
     def error_text(self, message: str) -> str:
         return ""  # "[]": the tiny alphabet has no letters, and the budget is small
@@ -55,11 +63,12 @@ class ProductEnv(ToolEnv):
         if not ok or self.shaped:
             return 0.0
         self.shaped = True  # once per episode: more calls must not pay more
-        question = str(self.row.get("prompt", "")).rstrip("=")
-        return CALL_REWARD + OPERANDS_REWARD * char_accuracy(call.argument.strip(), question)
+        return CALL_REWARD + OPERANDS_REWARD * char_accuracy(call.argument.strip(), self.question)
 
     def final_reward(self, answer: str) -> float:
         answer = answer.strip()
         if answer == str(self.row.get("ground_truth", "")):
             return 1.0
-        return COPY_REWARD * char_accuracy(answer, self.last_result) if self.last_result else 0.0
+        if not self.last_result:
+            return 0.0
+        return COPY_REWARD * char_accuracy(answer, self.last_result) * self.operands
