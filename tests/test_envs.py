@@ -378,3 +378,22 @@ def test_a_hanging_environment_step_times_out_and_the_rest_go_on():
     assert time.monotonic() - start < 5
     assert hung.done and hung.tool_errors == 1 and hung.score == 0.0
     assert good.done and good.score == 3.0
+
+
+@pytest.mark.parametrize(("override", "field", "words"), [
+    ("nodes.generate.options.env=nope", "nodes[0].options.env", "unknown environment 'nope'"),
+    ("nodes.generate.options.env=no.such:Env", "nodes[0].options.env", "cannot be imported"),
+    ("nodes.generate.options.env_kwargs={tools: [sql]}", "nodes[0].options.env_kwargs", "unknown tools ['sql']"),
+])
+def test_bad_environment_is_one_line_before_the_run(override, field, words):
+    from pathlib import Path
+
+    from hybridflow.controller.preflight import check_environments
+    from hybridflow.graph.dag import load_graph
+    from hybridflow.spec.loading import SpecError
+
+    graph = load_graph(Path(__file__).resolve().parent.parent / "graphs" / "grpo_tool.yaml", [override])
+    with pytest.raises(SpecError) as info:
+        check_environments(graph, TASKS["product"].tokenizer())
+    message = str(info.value)
+    assert "grpo_tool.yaml" in message and field in message and words in message and "\n" not in message
