@@ -68,7 +68,9 @@ def test_product_env_shapes_rewards():
     assert env.step("(12*34)").reward == 0.0  # shaping is paid once per episode
     assert env.step("408") == Step("", 1.0, True, {"success": True})
     env.reset(row)
-    assert env.step("(12*)") == Step("[]", 0.0, False, {"tool_calls": 1, "tool_errors": 1})  # not an expression
+    malformed = env.step("(12*)")  # not an expression: no call reward, but 3 of 5 operand characters
+    assert malformed == Step("[]", pytest.approx(0.4 * 3 / 5), False, {"tool_calls": 1, "tool_errors": 1})
+    env.reset(row)
     assert env.step("(12*99)").reward == pytest.approx(0.1 + 0.4 * 3 / 5)  # well formed, 3 of 5 right
     assert env.step("1180").reward == pytest.approx(0.4 * 3 / 4 * 3 / 5)  # 3 of 4 digits of [1188], of a 3/5 call
     env.reset(row)

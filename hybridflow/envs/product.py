@@ -5,8 +5,8 @@ repeated between the train and validation prompts), but it can send the expressi
 calculator (tags ``(`` and ``)``: ``(12*34)``), read the result (between ``[`` and ``]``:
 ``[408]``) and copy it out as its answer (``408``). Rewards, summed over an episode:
 
-- the first well-formed call: ``CALL_REWARD`` when the call is well formed (the calculator answers) and
-  up to ``OPERANDS_REWARD`` more, by the character accuracy of its expression against the
+- the first call: ``CALL_REWARD`` when it is well formed (the calculator answers), and up to
+  ``OPERANDS_REWARD`` (well formed or not), by the character accuracy of its expression against the
   prompt's (``12*34``: exactly the prompt's two numbers); later calls get nothing (paying
   every call taught the model to call until ``max_turns`` instead of answering);
 - the final turn: 1.0 for the exact product; else up to ``COPY_REWARD`` by the character
@@ -60,10 +60,13 @@ class ProductEnv(ToolEnv):
         return ""  # "[]": the tiny alphabet has no letters, and the budget is small
 
     def call_reward(self, call: ToolCall, ok: bool) -> float:
-        if not ok or self.shaped:
+        if self.shaped:
             return 0.0
         self.shaped = True  # once per episode: more calls must not pay more
-        return CALL_REWARD + OPERANDS_REWARD * char_accuracy(call.argument.strip(), self.question)
+        # The operands count even in a malformed call: paid only for well-formed ones, "*" (which
+        # half-written calls such as "(5*)" hold) was unlearned first and never came back.
+        operands = OPERANDS_REWARD * char_accuracy(call.argument.strip(), self.question)
+        return (CALL_REWARD if ok else 0.0) + operands
 
     def final_reward(self, answer: str) -> float:
         answer = answer.strip()
