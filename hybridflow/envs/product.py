@@ -27,8 +27,8 @@ from hybridflow.envs.parsing import ToolCall
 from hybridflow.envs.tools import ToolEnv
 
 PRODUCT_FORMAT = {"open": "(", "close": ")", "result_open": "[", "result_close": "]", "default_tool": "calc"}
-CALL_REWARD = 0.1
-OPERANDS_REWARD = 0.4
+CALL_REWARD = 0.05
+OPERANDS_REWARD = 1.0
 COPY_REWARD = 0.4
 
 
