@@ -57,6 +57,8 @@ def test_python_tool_runs_in_the_sandbox():
 
 
 def test_product_env_shapes_rewards():
+    from hybridflow.envs.product import CALL_REWARD, COPY_REWARD, OPERANDS_REWARD
+
     env = env_factory("product")()
     assert isinstance(env, ProductEnv)
     row = {"prompt": "12*34=", "ground_truth": "408"}
@@ -64,15 +66,16 @@ def test_product_env_shapes_rewards():
     assert env.step("400").reward == 0.0  # no call, wrong: nothing (no partial credit for guessing)
     env.reset(row)
     right = env.step("(12*34)")
-    assert right.observation == "[408]" and right.reward == pytest.approx(0.5)
+    assert right.observation == "[408]" and right.reward == pytest.approx(CALL_REWARD + OPERANDS_REWARD)
     assert env.step("(12*34)").reward == 0.0  # shaping is paid once per episode
     assert env.step("408") == Step("", 1.0, True, {"success": True})
     env.reset(row)
     malformed = env.step("(12*)")  # not an expression: no call reward, but 3 of 5 operand characters
-    assert malformed == Step("[]", pytest.approx(0.4 * 3 / 5), False, {"tool_calls": 1, "tool_errors": 1})
+    assert malformed == Step("[]", pytest.approx(OPERANDS_REWARD * 3 / 5), False, {"tool_calls": 1, "tool_errors": 1})
     env.reset(row)
-    assert env.step("(12*99)").reward == pytest.approx(0.1 + 0.4 * 3 / 5)  # well formed, 3 of 5 right
-    assert env.step("1180").reward == pytest.approx(0.4 * 3 / 4 * 3 / 5)  # 3 of 4 digits of [1188], of a 3/5 call
+    assert env.step("(12*99)").reward == pytest.approx(CALL_REWARD + OPERANDS_REWARD * 3 / 5)
+    # copies 3 of the 4 digits of [1188], the answer to a call 3/5 right
+    assert env.step("1180").reward == pytest.approx(COPY_REWARD * 3 / 4 * 3 / 5)
     env.reset(row)
     env.step("(7)")
     assert env.step("7").reward == 0.0  # copying the answer to a wrong question earns nothing
