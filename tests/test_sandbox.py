@@ -78,10 +78,11 @@ def test_allocating_10_gb_fails(sandbox):
 
 
 def test_infinite_loop_hits_the_cpu_limit(sandbox):
-    start = time.monotonic()
-    result = sandbox.run("while True:\n    pass")
-    assert not result.ok and "CPU" in result.error(), result
-    assert time.monotonic() - start < LIMITS.wall_timeout_s + 2
+    # A generous wall timeout: on a loaded machine one CPU second takes several wall seconds,
+    # and it is the CPU limit that must stop the loop.
+    patient = Sandbox(LIMITS.model_copy(update={"wall_timeout_s": 30.0}))
+    result = patient.run("while True:\n    pass")
+    assert not result.ok and not result.timed_out and "CPU" in result.error(), result
     _then_still_works(sandbox)
 
 
