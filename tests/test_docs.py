@@ -62,6 +62,9 @@ EXEMPT = {
         "tests/test_vllm.py runs grpo.yaml with exactly this override"
     ),
     r"^hybridflow run graphs/grpo_megatron\.yaml$": "tests/test_megatron_grpo.py runs grpo_megatron.yaml",
+    r"^hybridflow run graphs/grpo_tool\.yaml --run-dir runs/tool$": (
+        "tests/test_envs.py runs grpo_tool.yaml shrunk and checks its tool metrics"
+    ),
     r"^hybridflow run graphs/grpo\.yaml --pools resource_pools/local_cpu\.yaml$": (
         "grpo.yaml's own pool file: the same run as the first command's"
     ),
@@ -91,6 +94,7 @@ COVERED_BY = {
     "tests/test_smollm2.py": ['main(["eval", GRAPH', 'main(["plot"'],
     "tests/test_lora.py": ['main(["run", "graphs/grpo_smollm2_lora.yaml"', 'main(["eval", "graphs/grpo_smollm2_lora.yaml"'],
     "tests/test_graph.py": ["def test_python_builder_equals_yaml"],
+    "tests/test_envs.py": ['"grpo_tool.yaml"', "def test_grpo_tool_graph_runs_and_logs_tool_metrics"],
     "examples/custom_reward.py": ['REWARD = "custom_reward:exact_or_partial"', '"ppo"', 'os.environ["PYTHONPATH"]'],
 }
 SMALL_RUN = [

@@ -99,8 +99,26 @@ def check_model_paths(graph: Graph) -> None:
             raise SpecError(graph.file, field, f"{config} is not valid JSON") from None
 
 
+def check_environments(graph: Graph, tokenizer) -> None:
+    """Every multi-turn node's environment imports and builds from its ``env_kwargs``."""
+    from hybridflow.envs.base import env_factory
+
+    for i, node in enumerate(graph.spec.nodes):
+        if node.op != "multi_turn_generate":
+            continue
+        opts = node.options
+        try:
+            env = env_factory(opts.env, opts.env_kwargs)()
+            env.use_tokenizer(tokenizer)
+        except Exception as exc:  # noqa: BLE001 - whatever user code raises, one line
+            field = "env" if isinstance(exc, ValueError) and "environment" in str(exc) else "env_kwargs"
+            raise SpecError(graph.file, f"nodes[{i}].options.{field}", f"{type(exc).__name__}: {exc}") from None
+
+
 def check_inputs(graph: Graph, tokenizer) -> None:
-    """Reward functions import; path models fit the run's tokenizer (the actor's)."""
+    """Reward functions import; path models fit the run's tokenizer (the actor's); multi-turn
+    environments build."""
+    check_environments(graph, tokenizer)
     for name, model in graph.spec.models.items():
         source = model.source
         rules = [(f"models.{name}.source.rule", source.rule)] if source.rule else []

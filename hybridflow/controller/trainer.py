@@ -51,7 +51,6 @@ from hybridflow.graph.dag import SOURCE, Graph
 from hybridflow.hybrid_engine.consistency import RolloutMismatchError
 from hybridflow.placement.pools import ResourcePool, start_ray
 from hybridflow.rewards.rule import RewardError
-from hybridflow.spec.graph import GenerateOptions
 from hybridflow.spec.loading import SpecError
 from hybridflow.workers.group import WorkerGroup
 from hybridflow.workers.model_worker import ModelWorker
@@ -277,8 +276,9 @@ class Trainer:
         """Greedy generation on the held-out prompts, scored by the graph's score nodes."""
         if self.val_prompts is None:
             return {}
-        generate = next(n for n in self.graph.nodes if n.op == "generate")
-        greedy = replace(generate, spec=generate.spec.model_copy(update={"options": GenerateOptions(greedy=True)}))
+        generate = next(n for n in self.graph.nodes if self.graph.op(n).generates)
+        options = generate.spec.options.model_copy(update={"greedy": True})  # keeps the rest (env, turns)
+        greedy = replace(generate, spec=generate.spec.model_copy(update={"options": options}))
         scorers = [
             n
             for n in self.graph.nodes

@@ -7,6 +7,8 @@ and the three special tokens, so a tiny model needs only a dozen output classes.
 - ``copy``: the answer is the letters as given (``"cab="`` -> ``"cab"``). Measured to go from
   ~0.1 to 1.0 reward under plain GRPO on a hidden-64 two-layer Qwen2 within 60 iterations.
 - ``reverse``: the answer is the letters reversed (``"cab="`` -> ``"bac"``). Harder.
+- ``product``: ``"12*34="`` -> ``"408"``: beyond a tiny model, but not with a calculator;
+  the multi-turn environment ``hybridflow.envs.product`` offers one.
 
 Rewards are per-position character accuracy (see ``char_accuracy``), exposed at module level so
 a graph file can name them as rule sources, e.g. ``hybridflow.data.tasks:copy_reward``.
@@ -73,14 +75,19 @@ class Task:
     separator: str = "="  # ends every prompt; the model answers after it
     min_length: int = 3  # letters per prompt, inclusive
     max_length: int = 5
+    symbols: str = ""  # more characters the model may write (tool-call tags), not in prompts
+    draw: Callable[[random.Random], str] | None = None  # a prompt body; None: random letters
+    num_distinct: int | None = None  # distinct bodies ``draw`` can make
 
     @property
     def alphabet(self) -> str:
         """Every character a prompt or answer can contain (the tokenizer's non-special vocab)."""
-        return self.letters + self.separator
+        return self.letters + self.symbols + self.separator
 
     @property
     def num_distinct_prompts(self) -> int:
+        if self.num_distinct is not None:
+            return self.num_distinct
         return sum(len(self.letters) ** n for n in range(self.min_length, self.max_length + 1))
 
     def tokenizer(self) -> PreTrainedTokenizerFast:
@@ -103,8 +110,11 @@ class Task:
         seen: set[str] = set()
         rows = []
         while len(rows) < num:
-            length = rng.randint(self.min_length, self.max_length)
-            body = "".join(rng.choice(self.letters) for _ in range(length))
+            if self.draw is not None:
+                body = self.draw(rng)
+            else:
+                length = rng.randint(self.min_length, self.max_length)
+                body = "".join(rng.choice(self.letters) for _ in range(length))
             if body in seen:
                 continue
             seen.add(body)
@@ -120,10 +130,32 @@ def _reversed(body: str) -> str:
     return body[::-1]
 
 
+def _draw_product(rng: random.Random) -> str:
+    return f"{rng.randint(10, 99)}*{rng.randint(10, 99)}"
+
+
+def _product(body: str) -> str:
+    left, right = body.split("*")
+    return str(int(left) * int(right))
+
+
+def product_reward(prompt: str, response: str, ground_truth: str) -> float:
+    """Reward of the ``product`` task as a single-turn rule: exact match of the text after the
+    last tool result (``]``), else nothing. The multi-turn environment
+    (``hybridflow.envs.product``) gives the shaped rewards."""
+    return float(response.rsplit("]", 1)[-1].strip() == ground_truth)
+
+
 # Module-level functions rather than lambdas so a Task pickles (Ray ships them to workers).
 TASKS: dict[str, Task] = {
     "copy": Task(name="copy", letters="abcdefgh", answer=_same, reward_fn=copy_reward),
     "reverse": Task(name="reverse", letters="abcdefgh", answer=_reversed, reward_fn=reverse_reward),
+    # "12*34=": 2-digit products, a task for a calculator tool (hybridflow.envs.product);
+    # "()[]" are the call and result tags.
+    "product": Task(
+        name="product", letters="0123456789", answer=_product, reward_fn=product_reward,
+        symbols="*()[]", draw=_draw_product, num_distinct=90 * 90,
+    ),
 }
 
 

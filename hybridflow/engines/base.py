@@ -203,6 +203,16 @@ class RolloutEngine(abc.ABC):
         in ``hybridflow.data.keys``.
         """
 
+    def generate_turns(
+        self, contexts: list[list[int]], max_new_tokens: list[int], params: SamplingParams, stop: list[str]
+    ) -> list[tuple[list[int], list[float], bool]]:
+        """One model turn of a multi-turn rollout (``hybridflow.envs.rollout``) for each token
+        context (no padding; never re-tokenised): per context, the sampled tokens (through EOS
+        or the first stop string, at most its ``max_new_tokens``), their log-probs at
+        ``params.temperature``, and whether the turn ended by itself (EOS or a stop string)
+        rather than at the token limit. ``params.n`` and ``params.max_new_tokens`` are unused."""
+        raise NotImplementedError(f"{type(self).__name__} does not run multi-turn rollouts")
+
     @abc.abstractmethod
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> int:
         """Take fresh weights (HF names) in memory, without a restart; returns the bytes copied

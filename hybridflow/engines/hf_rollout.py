@@ -13,16 +13,41 @@ from that engine copies nothing.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 from tensordict import TensorDict
 from torch import nn
+from transformers import StoppingCriteria
 
 from hybridflow.algos import log_probs_from_logits
 from hybridflow.data import keys as K
 from hybridflow.data.batch import build_rollout_fields, repeat_interleave_td
 from hybridflow.engines.base import RolloutEngine, SamplingParams
 from hybridflow.engines.models import GenerationConfig
+
+
+class _TurnEnd(StoppingCriteria):
+    """A transformers stopping criterion that ends each row at EOS, at a stop string or at its
+    own token budget, and records where (``ended_at``) and whether by itself (``natural``)."""
+
+    def __init__(self, width: int, budgets: list[int], eos_id: int, stop: list[str], tokenizer) -> None:
+        self.width, self.budgets, self.eos_id, self.stop, self.tokenizer = width, budgets, eos_id, stop, tokenizer
+        self.ended_at: list[int | None] = [None] * len(budgets)
+        self.natural = [False] * len(budgets)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        generated = input_ids[:, self.width:]
+        num = generated.shape[1]
+        for i, row in enumerate(generated.tolist()):
+            if self.ended_at[i] is not None:
+                continue
+            natural = row[-1] == self.eos_id or (
+                bool(self.stop) and any(s in self.tokenizer.decode(row) for s in self.stop)
+            )
+            if natural or num >= self.budgets[i]:
+                self.ended_at[i], self.natural[i] = num, natural
+        return torch.tensor([e is not None for e in self.ended_at], device=input_ids.device)
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -34,8 +59,9 @@ class HFRolloutEngine(RolloutEngine):
         pad_id: pad token id (prompts are left-padded with it, responses right-padded).
     """
 
-    def __init__(self, model: nn.Module, *, eos_id: int, pad_id: int) -> None:
+    def __init__(self, model: nn.Module, *, eos_id: int, pad_id: int, tokenizer=None) -> None:
         self.model = model
+        self.tokenizer = tokenizer  # decodes turns to find stop strings (multi-turn)
         self.eos_id = eos_id
         self.pad_id = pad_id
         # Counts of the last load_weights call: {"copied": n, "shared": n}.
@@ -56,7 +82,7 @@ class HFRolloutEngine(RolloutEngine):
         """Generates from the train engine's own ``module`` (same layout, no copy); records
         log-probs at each call's own temperature, so ``temperature`` is not needed here. A
         LoRA actor's module holds its adapters: they generate as they train."""
-        return cls(module, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+        return cls(module, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer)
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
         """Library defaults plus ``params`` only: nothing from the model's own
@@ -122,6 +148,38 @@ class HFRolloutEngine(RolloutEngine):
         fields[K.ROLLOUT_LOG_PROBS] = log_probs * fields[K.RESPONSE_MASK]
         batch.update(fields)
         return batch
+
+    @torch.no_grad()
+    def generate_turns(
+        self, contexts: list[list[int]], max_new_tokens: list[int], params: SamplingParams, stop: list[str]
+    ) -> list[tuple[list[int], list[float], bool]]:
+        """One model turn per context (``RolloutEngine.generate_turns``): the contexts are
+        left-padded into one batch; rows stop at EOS, a stop string or their own budget."""
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(contexts), width), self.pad_id, dtype=torch.int64)
+        mask = torch.zeros(len(contexts), width, dtype=torch.int64)
+        for i, context in enumerate(contexts):
+            ids[i, width - len(context):] = torch.tensor(context)
+            mask[i, width - len(context):] = 1
+        turn_end = _TurnEnd(width, max_new_tokens, self.eos_id, stop, self.tokenizer)
+        config = self._generation_config(replace(params, max_new_tokens=max(max_new_tokens)))
+        was_training, own_config = self.model.training, self.model.generation_config
+        self.model.eval()
+        self.model.generation_config = GenerationConfig()
+        try:
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, generation_config=config, stopping_criteria=[turn_end]
+            )
+        finally:
+            self.model.generation_config = own_config
+            self.model.train(was_training)
+        generated = out.sequences[:, width:]
+        log_probs = log_probs_from_logits(torch.stack(out.logits, dim=1) / params.temperature, generated)
+        results = []
+        for i in range(len(contexts)):
+            end = turn_end.ended_at[i] or generated.shape[1]
+            results.append((generated[i, :end].tolist(), log_probs[i, :end].tolist(), turn_end.natural[i]))
+        return results
 
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters (tied ones once)."""

@@ -40,6 +40,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -158,8 +159,10 @@ class VLLMRolloutEngine(RolloutEngine):
         gpu_memory_utilization: float = 0.3,
         progress: bool = False,
         adapter_config: dict[str, Any] | None = None,
+        tokenizer: Any = None,
     ) -> None:
         vllm = import_vllm()
+        self.tokenizer = tokenizer  # finds stop strings of multi-turn rollouts (generate_turns)
         self.on_gpu = torch.cuda.is_available()
         check_head_size(model_dir, on_cpu=not self.on_gpu)
         self.eos_id = eos_id
@@ -228,13 +231,14 @@ class VLLMRolloutEngine(RolloutEngine):
                 kv_cache_bytes=kv_cache_bytes_for(module.config, max_num_seqs, max_model_len),
                 temperature=temperature,
                 adapter_config=adapter_config,
+                tokenizer=tokenizer,
             )
         finally:
             shutil.rmtree(model_dir, ignore_errors=True)
 
     # -- generate -----------------------------------------------------------------------------
 
-    def _vllm_params(self, params: SamplingParams):
+    def _vllm_params(self, params: SamplingParams, **extra):
         # No per-request seed: vLLM's CPU sampler then draws row by row from one generator per
         # request (measured about twice as slow); the seeded process RNG makes runs repeatable.
         common = dict(
@@ -245,6 +249,7 @@ class VLLMRolloutEngine(RolloutEngine):
             min_tokens=params.min_new_tokens,  # EOS (a stop token) not sampled before it
             detokenize=False,
         )
+        common.update(extra)
         if params.greedy:
             return self._sampling_params_cls(temperature=0.0, **common)
         if params.temperature != self.temperature:
@@ -300,6 +305,48 @@ class VLLMRolloutEngine(RolloutEngine):
         fields[K.ROLLOUT_LOG_PROBS] = log_probs * fields[K.RESPONSE_MASK]
         batch.update(fields)
         return batch
+
+    @torch.no_grad()
+    def generate_turns(
+        self, contexts: list[list[int]], max_new_tokens: list[int], params: SamplingParams, stop: list[str]
+    ) -> list[tuple[list[int], list[float], bool]]:
+        """One model turn per context (``RolloutEngine.generate_turns``), each its own request
+        with its own token budget; a stop string ends a request after the token that completes
+        it (the tokens are kept as sampled)."""
+        if self.asleep:
+            raise RuntimeError("generate_turns called while the vLLM engine is offloaded; call reload()")
+        if stop and self.tokenizer is None:
+            raise ValueError("generate_turns with stop strings needs the engine built with a tokenizer")
+        one = replace(params, n=1)
+        # vLLM runs without a tokenizer (token ids in and out): a stop string that is one token
+        # stops the request there; a longer one is found in the decoded turn afterwards and the
+        # tokens after it are dropped (the model never conditions on them).
+        single = [ids[0] for ids in (self._encode(s) for s in stop) if len(ids) == 1]
+        requests = [{"prompt_token_ids": list(c)} for c in contexts]
+        sampling = [
+            self._vllm_params(replace(one, max_new_tokens=b), stop_token_ids=[self.eos_id, *single])
+            for b in max_new_tokens
+        ]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora_request)
+        results = []
+        for request_output in outputs:
+            completion = request_output.outputs[0]
+            ids = list(completion.token_ids)
+            log_probs = [position[tok].logprob for tok, position in zip(ids, completion.logprobs)]
+            end = self._stop_end(ids, stop)
+            natural = completion.finish_reason == "stop" or end is not None
+            end = len(ids) if end is None else end
+            results.append((ids[:end], log_probs[:end], natural))
+        return results
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _stop_end(self, ids: list[int], stop: list[str]) -> int | None:
+        """How many tokens of ``ids`` reach the first stop string (None: no stop string)."""
+        if not stop or not any(s in self.tokenizer.decode(ids) for s in stop):
+            return None
+        return next(k for k in range(1, len(ids) + 1) if any(s in self.tokenizer.decode(ids[:k]) for s in stop))
 
     # -- weights ------------------------------------------------------------------------------
 

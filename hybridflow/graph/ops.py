@@ -26,6 +26,7 @@ from hybridflow.spec.graph import (
     AdvantageOptions,
     FilterOptions,
     GenerateOptions,
+    MultiTurnOptions,
     NodeBase,
     NoOptions,
     ScoreOptions,
@@ -146,6 +147,22 @@ register_op(Op(
         "responses": (*_ROLLOUT, K.ROLLOUT_LOG_PROBS, K.WEIGHT_VERSION, *SOURCE_WRITES["prompts"][2:]),
         # A second generation (ReMax's greedy one) carries the same fields under its own key.
         "greedy_responses": _ROLLOUT[:5],
+    },
+    text=True,
+    generates=True,
+))
+# Multi-turn: model turns and environment steps (hybridflow.envs); the environment's rewards
+# come out as the scores, so no score node is needed.
+register_op(Op(
+    "multi_turn_generate",
+    roles=frozenset({"actor"}),
+    options=MultiTurnOptions,
+    method="generate_multi_turn",
+    inputs={"*": ("prompts",)},
+    outputs={"*": ("responses", "scores")},
+    writes={
+        "responses": (*_ROLLOUT, K.ROLLOUT_LOG_PROBS, *SOURCE_WRITES["prompts"][2:]),
+        "scores": (K.SCORES, K.TOKEN_REWARDS),
     },
     text=True,
     generates=True,

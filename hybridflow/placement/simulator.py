@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from hybridflow.graph.ops import OPS
 from hybridflow.placement.profiles import HardwareProfile, ModelArch
 from hybridflow.spec.layout import GenerationLayout, ParallelLayout
 
@@ -263,7 +264,7 @@ class Simulator:
             crosses = layout.train.world_size > self.devices_per_node and layout.train.dp > 1
             # reduce-scatter grads + all-gather params once per optimizer step
             self._allreduce(work, grad_bytes, layout.train.dp, crosses, count=w.epochs * w.updates_per_epoch)
-        elif op == "generate":
+        elif OPS[op].generates:  # a multi-turn rollout: its model tokens (environment time not modelled)
             self._generate(work, model, layout, free_memory)
         else:
             raise ValueError(f"no cost model for op {op!r}")
@@ -315,7 +316,7 @@ class Simulator:
         """Bytes a node's outputs move from the producing set to a consuming set, spread over
         the links of the smaller side (each node's link is shared by its devices)."""
         w = self.workload
-        if producer.op == "generate":
+        if OPS[producer.op].generates:
             nbytes = w.num_samples * w.seq_len * (TOKEN_BYTES + 1)  # ids + mask
         elif producer.op == "score":
             nbytes = w.num_samples * VALUE_BYTES

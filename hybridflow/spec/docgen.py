@@ -28,6 +28,7 @@ from hybridflow.spec.pool import PoolsFile
 MAP_KEY_EXAMPLES = {"models": "actor", "pools": "default"}
 NODE_NAME_EXAMPLES = {
     "generate": "generate",
+    "multi_turn_generate": "generate",
     "log_prob": "old_log_prob",
     "values": "values",
     "score": "reward",

@@ -6,7 +6,7 @@ Every setting has its default here and nowhere else. Models are frozen once load
 from __future__ import annotations
 
 import typing
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -332,6 +332,31 @@ class NodeBase(Spec):
 
 class GenerateOptions(Spec):
     greedy: bool = Field(False, description="Greedy decoding, one sample per prompt.")
+
+
+class MultiTurnOptions(Spec):
+    """A multi-turn rollout (``hybridflow.envs.rollout``): model turns and environment steps,
+    token in, token out, within ``data.max_response_length`` tokens (model and observation
+    tokens together)."""
+
+    greedy: bool = Field(False, description="Greedy decoding, one sample per prompt.")
+    env: str = Field(
+        "product",
+        description="Environment: a name in hybridflow.envs.base.ENVS (tool, product) or "
+        "'module:Class' of a hybridflow.envs.base.Environment.",
+    )
+    env_kwargs: dict[str, Any] = Field(default_factory=dict, description="Arguments of the environment's constructor.")
+    max_turns: int = Field(4, ge=1, description="Model turns per episode at most.")
+    overlap: bool = Field(
+        True,
+        description="Per-sample asynchronous turns: an episode whose environment step returned "
+        "joins the next generate call without waiting for the other episodes' steps.",
+    )
+    num_env_workers: int = Field(8, ge=1, description="Threads running environment steps.")
+    step_timeout_s: float = Field(
+        60.0, gt=0, description="An environment step slower than this ends its episode as an error "
+        "(reward so far, tool/errors + 1); the run goes on.",
+    )
 
 
 class GenerateNode(NodeBase):

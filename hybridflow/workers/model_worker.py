@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 from hybridflow.algos import POLICY_LOSSES, agg_loss, informative_groups, kl_penalty, masked_mean
 from hybridflow.data import keys as K
-from hybridflow.data.batch import place_sequence_reward
+from hybridflow.data.batch import place_sequence_reward, repeat_interleave_td
 from hybridflow.engines.base import ROLLOUT_ENGINES, TRAIN_ENGINES, RolloutEngine, SamplingParams, TrainEngine
 from hybridflow.engines.lora import BaseModelEngine
 from hybridflow.engines.models import build_causal_lm, build_value_model
@@ -192,6 +192,49 @@ class ModelWorker(Worker):
         }
         return out, {"metrics": metrics, "sums": {"rollout/num_tokens": float(response_mask.sum())}}
 
+    def generate_multi_turn(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
+        """Multi-turn episodes against the node's environment (``hybridflow.envs.rollout``);
+        the environment's rewards are the scores."""
+        from hybridflow.envs.base import env_factory
+        from hybridflow.envs.rollout import (
+            TurnLimits, env_rows, episode_fields, episode_metrics, make_episodes, run_episodes, unpadded,
+        )
+
+        opts = node.spec.options  # MultiTurnOptions
+        rollout = self.spec.models[node.model].rollout
+        params = SamplingParams(
+            temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k, greedy=opts.greedy
+        )
+        batch = repeat_interleave_td(batch, 1 if opts.greedy else rollout.n)
+        make_env = env_factory(opts.env, opts.env_kwargs)
+        engine, tok = self.rollout_engines[node.model], self.tokenizer
+        episodes = make_episodes(unpadded(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK]), env_rows(batch), make_env, tok)
+        stop = episodes[0].env.stop_strings() if episodes else []
+        width = self.spec.data.max_response_length
+        run_episodes(
+            episodes,
+            lambda contexts, budgets: engine.generate_turns(contexts, budgets, params, stop),
+            lambda ids: tok.decode(ids, skip_special_tokens=True),
+            lambda text: tok.encode(text, add_special_tokens=False),
+            TurnLimits(opts.max_turns, width, tok.eos_token_id, opts.step_timeout_s),
+            overlap=opts.overlap,
+            num_env_workers=opts.num_env_workers,
+        )
+        batch.update(episode_fields(episodes, batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], width, tok.pad_token_id))
+        lengths = batch[K.RESPONSE_MASK].sum(-1).float()
+        scores = batch[K.SCORES]
+        metrics = {
+            **episode_metrics(episodes),
+            "response_length/mean": float(lengths.mean()),
+            "reward/mean": float(scores.mean()),
+            "reward/sq_mean": float((scores**2).mean()),
+        }
+        sums = {
+            "rollout/num_tokens": float(batch[K.RESPONSE_MASK].sum()),
+            "tool/errors": float(sum(e.tool_errors for e in episodes)),
+        }
+        return batch, {"metrics": metrics, "sums": sums, "samples": self._samples(batch, scores, "reward", observations=True)}
+
     def log_prob(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
         out = self.train_engines[node.model].forward(batch, self._temperature())
         result = TensorDict({node.outputs[0]: out["log_probs"]}, batch_size=batch.batch_size)
@@ -243,7 +286,7 @@ class ModelWorker(Worker):
         metrics.update({f"{prefix}/mean": float(scores.mean()), f"{prefix}/sq_mean": float((scores**2).mean())})
         return result, {"metrics": metrics, "sums": sums, "samples": self._samples(batch, scores, prefix)}
 
-    def _samples(self, batch: TensorDict, scores: torch.Tensor, score_name: str) -> list[dict]:
+    def _samples(self, batch: TensorDict, scores: torch.Tensor, score_name: str, observations: bool = False) -> list[dict]:
         """A few decoded generations for RUN_DIR/samples.jsonl, spread over this rank's prompts.
 
         Decoded here, where the tokens are, so the controller gets short strings in the meta and
@@ -254,9 +297,10 @@ class ModelWorker(Worker):
             return []
         count = min(len(scores), math.ceil(trainer.num_logged_samples / self.world_size))
         rows = torch.linspace(0, len(scores) - 1, count).round().long().tolist()
-        responses = self.tokenizer.batch_decode(
-            batch[K.RESPONSES][rows] * batch[K.RESPONSE_MASK][rows], skip_special_tokens=True
-        )
+        # With ``observations`` (multi-turn) the environment's tokens are shown too.
+        width = batch[K.RESPONSES].shape[1]
+        mask = batch[K.ATTENTION_MASK][:, -width:] if observations else batch[K.RESPONSE_MASK]
+        responses = self.tokenizer.batch_decode(batch[K.RESPONSES][rows] * mask[rows], skip_special_tokens=True)
         prompts = batch.get(K.PROMPT_TEXT).tolist()
         truths = batch.get(K.GROUND_TRUTH).tolist() if K.GROUND_TRUTH in batch.keys() else None
         return [
