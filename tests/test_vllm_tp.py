@@ -11,7 +11,6 @@ TP-sharded tensor plus the replicated norms.
 
 from __future__ import annotations
 
-import os
 import tempfile
 
 import pytest
@@ -23,7 +22,7 @@ from megatron_harness import init_dist, spawn, tiny_hf  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 from hybridflow.data import keys as K  # noqa: E402
-from hybridflow.engines.vllm_rollout import _load_vocab_rows, check_tp_group, stale_cpu_shm  # noqa: E402
+from hybridflow.engines.vllm_rollout import _load_vocab_rows, check_tp_group  # noqa: E402
 
 TG = 2
 VOCAB = 128  # vLLM pads to 64 and splits evenly: 64 rows per rank, as the shards have
@@ -99,10 +98,10 @@ def _rank(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.slow
 def test_vllm_tp2_fed_by_shards_matches_hf():
-    # a failing run's ranks are killed before vLLM removes its communicator files; they would
-    # refuse the next start (stale_cpu_shm)
-    for path in stale_cpu_shm(0, TG):
-        os.remove(path)
+    # what an earlier run leaves (vLLM never unlinks its CPU communicator's files): removed at start
+    for r in range(TG):
+        with open(f"/dev/shm/-tp:0-[0-1]-cpushm_{r}", "wb") as f:
+            f.write(b"stale")
     spawn(_rank, TG)
 
 

@@ -40,6 +40,9 @@ vLLM's external launcher groups *consecutive* torch ranks (``initialize_model_pa
 ``vllm/distributed/parallel_state.py``), so the generation TP group must be ``tg`` consecutive
 ranks starting at a multiple of tg (``check_tp_group``; true when training tp == tg); vLLM's
 vocabulary partition (padded to 64, split evenly) must have as many rows as the given shard.
+On CPU vLLM's TP communicator uses shared-memory files named the same for every run on a host
+and never removed: the engine removes its group's before starting (``stale_cpu_shm``), so two
+tg > 1 runs must not start on one host at the same moment.
 
 vLLM is imported only when an engine is built: validating a graph never loads it. Set
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` before the import (``import_vllm`` does) so the engine
@@ -166,8 +169,8 @@ def _external_launcher_env() -> None:
 def stale_cpu_shm(rank: int, tp: int) -> list[str]:
     """Shared-memory files of vLLM's CPU TP communicator for ``rank``'s group of ``tp``
     consecutive ranks that already exist. vLLM 0.32 names them from the init method, which is
-    ``env://`` under the external launcher, so the name is the same for every run on the host:
-    a killed run leaves them behind and the next start fails with ``errno: 17``."""
+    ``env://`` under the external launcher, so the name is the same for every run on the host,
+    and never unlinks them: the next start would fail with ``errno: 17``."""
     import glob
 
     start = rank - rank % tp
@@ -175,19 +178,18 @@ def stale_cpu_shm(rank: int, tp: int) -> list[str]:
     return sorted(p for p in glob.glob("/dev/shm/*cpushm_*") if f"[{group}]" in p)
 
 
-def _refuse_stale_cpu_shm(tp: int) -> None:
-    """Collectively (before any rank creates its files): raise on every rank when any rank
-    finds ``stale_cpu_shm`` files."""
+def _remove_stale_cpu_shm(tp: int) -> None:
+    """Collectively, before any rank creates its files: each rank removes the ``stale_cpu_shm``
+    files of its group (vLLM never unlinks them, so every earlier run on this host left them, and
+    a new segment is needed anyway; a live run keeps the segment it has mapped)."""
     import torch.distributed as dist
 
-    stale = stale_cpu_shm(dist.get_rank(), tp)
-    flag = torch.tensor([len(stale)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if int(flag):
-        raise RuntimeError(
-            f"vLLM's CPU TP communicator files exist ({stale or 'on another rank'}; left by a "
-            "killed run, or a live one on this host): remove them once no vLLM TP run is live"
-        )
+    for path in stale_cpu_shm(dist.get_rank(), tp):
+        try:
+            os.remove(path)
+        except FileNotFoundError:  # another rank of the group was first
+            pass
+    dist.barrier()
 
 
 def _load_vocab_rows(param: torch.Tensor, rows: torch.Tensor) -> None:
@@ -302,7 +304,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 check_tp_group(list(tp_ranks), self.tp)
             _external_launcher_env()
             if not self.on_gpu:
-                _refuse_stale_cpu_shm(self.tp)
+                _remove_stale_cpu_shm(self.tp)
             parallel = dict(tensor_parallel_size=self.tp, distributed_executor_backend="external_launcher")
         check_head_size(model_dir, on_cpu=not self.on_gpu)
         self.eos_id = eos_id
