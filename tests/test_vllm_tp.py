@@ -119,3 +119,53 @@ def test_vocab_shard_must_be_the_partition():
     assert bool((param == 1).all())
     with pytest.raises(ValueError, match="vocab_size"):
         _load_vocab_rows(param, torch.ones(50, 8))  # vocab 100 at tg 2: vLLM pads to 128
+
+
+def _megatron_rank(rank: int, world: int, port: int) -> None:
+    """Megatron t = 2 trains model B; vLLM tg = 2 starts from model A and takes B through the
+    resharder (``ReshardedSync``: the megatron engine's own ``to_hf`` of the generation shard)."""
+    import copy
+
+    init_dist(rank, world, port)
+    from hybridflow.engines.base import SamplingParams
+    from hybridflow.engines.megatron import MegatronTrainEngine
+    from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, save_for_vllm
+    from hybridflow.hybrid_engine.sync import ReshardedSync
+    from hybridflow.spec.graph import TrainEngineSpec
+    from hybridflow.spec.layout import ParallelLayout
+
+    config = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=2, num_key_value_heads=2)
+    model_a, model_b = tiny_hf(seed=0, **config), tiny_hf(seed=1, **config)
+    train = ParallelLayout(tp=TG, pp=1).resolve(world)
+    engine = MegatronTrainEngine(
+        copy.deepcopy(model_b), TrainEngineSpec(engine="megatron", layout=train, micro_batch_size=2)
+    )
+    sync = ReshardedSync(engine.train_shard(), tp=TG)
+    model_dir = save_for_vllm(model_a, None, tempfile.mkdtemp(prefix="vllm-tp-"))
+    rollout = VLLMRolloutEngine(
+        model_dir, eos_id=1, pad_id=0, max_model_len=32, seed=0, kv_cache_bytes=16 << 20,
+        tensor_parallel_size=TG, tp_ranks=[0, 1],
+    )
+    metrics = sync(rollout)
+    state = [(n, t) for n, t in model_b.state_dict().items() if n != "lm_head.weight"]
+    sharded = sum(t.numel() * 4 for n, t in state if any(k in n for k in ROWS) or n.endswith(COLUMNS))
+    want_bytes = sharded // TG + sum(t.numel() * 4 for _, t in state) - sharded
+    assert metrics["weight_sync/bytes"] == want_bytes, (metrics, want_bytes)
+    assert metrics["reshard/rollout_copy_bytes"] == want_bytes, metrics
+
+    ids = torch.randint(2, VOCAB, (3, 5), generator=torch.Generator().manual_seed(7))
+    prompts = TensorDict(
+        {K.PROMPT_IDS: ids, K.PROMPT_MASK: torch.ones_like(ids), K.UID: torch.arange(3)}, batch_size=[3]
+    )
+    out = rollout.generate(prompts, SamplingParams(n=1, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, greedy=True))
+    greedy, log_probs = hf_reference(model_b, ids, out[K.RESPONSES])
+    assert torch.equal(out[K.RESPONSES], greedy), (rank, out[K.RESPONSES], greedy)
+    err = float((out[K.ROLLOUT_LOG_PROBS] - log_probs).abs().max())
+    assert err < 1e-4, (rank, err)
+    torch.distributed.barrier()
+
+
+@pytest.mark.slow
+def test_vllm_tp2_fed_by_megatron_resharder():
+    pytest.importorskip("megatron.core")
+    spawn(_megatron_rank, TG)
