@@ -93,6 +93,19 @@ def _rank(rank: int, world: int, port: int) -> None:
 
     engine.load_weights(iter([(n, tp_shard(n, t, rank, TG)) for n, t in state(model_a)]))
     assert torch.equal(check(model_a, "after loading A back"), tokens_a)
+
+    # sampling (T = 1): every TP rank draws the same tokens (the process RNGs differ), with
+    # log-probs under the full vocabulary; the process's RNG state is left alone
+    torch.manual_seed(100 + rank)
+    before = torch.random.get_rng_state()
+    out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW))
+    assert torch.equal(torch.random.get_rng_state(), before)
+    both = [torch.empty_like(out[K.RESPONSES]) for _ in range(TG)]
+    torch.distributed.all_gather(both, out[K.RESPONSES])
+    assert torch.equal(both[0], both[1]), both
+    _, log_probs = hf_reference(model_a, ids.repeat_interleave(2, 0), out[K.RESPONSES])
+    err = float((out[K.ROLLOUT_LOG_PROBS] - log_probs).abs().max())
+    assert err < 1e-4, ("sampled", rank, err)
     torch.distributed.barrier()
 
 

@@ -261,6 +261,8 @@ class VLLMRolloutEngine(RolloutEngine):
         max_model_len: longest prompt + response the engine must hold.
         seed: vLLM's engine seed (it re-seeds the process's RNGs at start; on CPU sampling
             then draws from torch's global RNG, which the worker seeds per rank afterwards).
+            At tg > 1 the same on every rank of the TP group (per generation replica): it seeds
+            every call's sampling (``_tp_rng``).
         dtype: weights and activations ("float32" makes rollout and training log-probs agree).
         temperature: the sampling temperature of every non-greedy call; it fixes what vLLM
             records as log-probs (``vllm_logprobs_mode``).
@@ -296,6 +298,8 @@ class VLLMRolloutEngine(RolloutEngine):
         vllm = import_vllm()
         self.on_gpu = torch.cuda.is_available()
         self.tp = tensor_parallel_size
+        self.seed = seed
+        self._calls = 0  # generate calls (tg > 1: they seed the sampling, _tp_rng)
         parallel: dict[str, Any] = {}
         if self.tp > 1:
             if adapter_config is not None:
@@ -425,9 +429,10 @@ class VLLMRolloutEngine(RolloutEngine):
         requests = [
             {"prompt_token_ids": ids[mask].tolist()} for ids, mask in zip(prompt_ids, prompt_mask)
         ]
-        outputs = self.llm.generate(
-            requests, self._vllm_params(params), use_tqdm=self.progress, lora_request=self._lora_request
-        )
+        with self._tp_rng():
+            outputs = self.llm.generate(
+                requests, self._vllm_params(params), use_tqdm=self.progress, lora_request=self._lora_request
+            )
 
         num_samples = len(requests) * params.n
         responses = torch.full((num_samples, params.max_new_tokens), self.pad_id, dtype=torch.int64)
@@ -451,6 +456,21 @@ class VLLMRolloutEngine(RolloutEngine):
         fields[K.ROLLOUT_LOG_PROBS] = log_probs * fields[K.RESPONSE_MASK]
         batch.update(fields)
         return batch
+
+    def _tp_rng(self):
+        """At tg > 1 every rank of the TP group samples on its own (CPU sampling draws from
+        torch's global RNG) and must draw the same tokens, or the ranks' schedulers diverge:
+        each generate call samples under a generator seeded from the engine seed (the same on
+        the group) and the call count, the process's RNG left as it was."""
+        import contextlib
+
+        if self.tp == 1:
+            return contextlib.nullcontext()
+        self._calls += 1
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.random.fork_rng(devices=[]))
+        torch.manual_seed(self.seed * 1_000_003 + self._calls)
+        return stack
 
     # -- weights ------------------------------------------------------------------------------
 
