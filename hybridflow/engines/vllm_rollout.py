@@ -365,11 +365,15 @@ class VLLMRolloutEngine(RolloutEngine):
         seed: int,
         temperature: float = 1.0,
         adapter_config: dict[str, Any] | None = None,
+        tensor_parallel_size: int = 1,
+        tp_ranks: list[int] | None = None,
     ) -> "VLLMRolloutEngine":
         """Starts once from ``module``'s initial weights written to a temporary HF directory
         (removed once loaded), then takes every update in memory through ``load_weights``.
         With ``adapter_config`` (a LoRA actor) it starts from the base weights and takes
-        adapter updates through ``load_adapter``."""
+        adapter updates through ``load_adapter``. At ``tensor_parallel_size`` > 1 every rank
+        of ``tp_ranks`` calls this with the same ``seed`` (vLLM narrows the full start-up weights
+        itself; later updates come as this rank's generation shard)."""
         model_dir = tempfile.mkdtemp(prefix="hybridflow-vllm-")
         try:
             save_for_vllm(module, tokenizer, model_dir)
@@ -383,6 +387,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 kv_cache_bytes=kv_cache_bytes_for(module.config, max_num_seqs, max_model_len),
                 temperature=temperature,
                 adapter_config=adapter_config,
+                tensor_parallel_size=tensor_parallel_size,
+                tp_ranks=tp_ranks,
             )
         finally:
             shutil.rmtree(model_dir, ignore_errors=True)
