@@ -205,3 +205,20 @@ def test_the_updates_first_forward_gives_the_old_log_probs():
 
     engine.train_step(batch, loss_fn)
     assert torch.allclose(torch.cat(seen), old, atol=1e-6, rtol=0)
+
+
+def test_generation_tp_runs_on_vllm_over_the_training_tp_group(tmp_path):
+    """rollout.layout.tp > 1: vLLM only, pp = 1, and equal to the training tp (vLLM's external
+    launcher groups consecutive ranks; the generation groups are strided otherwise)."""
+    megatron = ROOT / "graphs" / "grpo_megatron.yaml"
+    graph = load_graph(megatron, ["models.actor.rollout.engine=vllm", "models.actor.rollout.layout.tp=2"])
+    generate = next(n for n in graph.nodes if n.name == "generate")
+    assert graph.dispatch_layout(generate).tp == 2  # both ranks of the TP group get the same prompts
+    pools = tmp_path / "four.yaml"
+    pools.write_text("pools:\n  default: {nodes: 1, devices_per_node: 4, device: cpu}\n")
+    with pytest.raises(SpecError, match=r"models.actor.rollout.layout.tp: generation tp 2 must equal the training tp 4"):
+        load_graph(
+            megatron,
+            ["models.actor.rollout.engine=vllm", "models.actor.rollout.layout.tp=2", "models.actor.train.layout.tp=4"],
+            pools_file=pools,
+        )

@@ -91,7 +91,30 @@ def test_grpo_megatron_with_vllm_rollout(ray_session, tmp_path):
     for row in rows:
         assert row["actor/rollout_log_prob_diff_max"] < 1e-4
         assert row["reshard/packed_bytes"] == 0
-        # vLLM's own copy, as the bytes it took in: the whole model (the vocabulary needs no
-        # padding at t = 2 here)
-        assert row["reshard/rollout_copy_bytes"] == row["reshard/model_bytes"]
+        # vLLM's own copy, as the bytes it took in: the whole model less the vocabulary padding
+        # (to 64 rows) that the training shards carry
+        assert 0.9 * row["reshard/model_bytes"] < row["reshard/rollout_copy_bytes"] < row["reshard/model_bytes"]
+    assert rows[-1]["actor/kl"] > 0.0
+
+
+def test_grpo_megatron_with_vllm_tp2_rollout(ray_session, tmp_path):
+    """Generation at tg = 2 (issue 19): each rank's vLLM (external launcher over the two ranks)
+    takes only its generation shard, which at t = tg is its own training shard (the micro-DP
+    group is one rank: nothing moves); vLLM's copy is that partition."""
+    pytest.importorskip("vllm")
+    from hybridflow.controller.trainer import Trainer
+
+    overrides = [
+        "trainer.iterations=3", "trainer.val_interval=0", "trainer.progress=false",
+        "trainer.save_final=false", "models.actor.rollout.engine=vllm", "models.actor.rollout.layout.tp=2",
+    ]
+    Trainer(load_graph(ROOT / "graphs" / "grpo_megatron.yaml", overrides), run_dir=str(tmp_path)).fit()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["actor/rollout_log_prob_diff_max"] < 1e-4
+        model, shard = row["reshard/model_bytes"], row["reshard/train_shard_bytes"]
+        assert row["reshard/bytes_received"] == 0  # micro-DP group of one rank
+        assert row["weight_sync/bytes"] == shard < 0.6 * model  # half the model + the norms
+        assert row["reshard/rollout_copy_bytes"] == shard  # vLLM's partition (padding included)
     assert rows[-1]["actor/kl"] > 0.0

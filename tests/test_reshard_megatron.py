@@ -93,7 +93,7 @@ def _check(rank, world, port):
     assert tg_rank == gen_coords(gen2, rank).tp
     assert ps.get_data_parallel_rank() == gen_coords(gen2, rank).micro_dp_rank
     config = copy.deepcopy(hf.config)
-    config.vocab_size = specs[0].full_shape[0]  # keep the training padding (a multiple of t)
+    config.vocab_size = specs[0].full_shape[0]  # keep the training padding
     dims = Dims.from_hf(config)
     # one tg-rank's HF shards are the full tensors of a model with 1/tg of the heads and ffn
     local = dataclasses.replace(
@@ -104,7 +104,11 @@ def _check(rank, world, port):
         vocab_size=dims.vocab_size // 2,
     )
     module = build_gpt_model(config, RankCoords(ParallelLayout(tp=2), tp_rank=tg_rank))
-    load_megatron_state(module, hf_to_megatron(hf_state, local, RankCoords(ParallelLayout())))
+    state = hf_to_megatron(hf_state, local, RankCoords(ParallelLayout()))
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):  # the partition's rows
+        if key in state:  # (hf_to_megatron pads the vocabulary to 64 for vLLM)
+            state[key] = state[key][: local.vocab_size]
+    load_megatron_state(module, state)
     with torch.no_grad():
         out = module(ids, torch.arange(9)[None].expand(2, -1), cpu_compat.causal_mask(9))
         got = gather_from_tensor_model_parallel_region(out)[..., :vocab]

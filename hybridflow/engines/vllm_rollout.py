@@ -26,6 +26,24 @@ only feed the rollout/training consistency metrics, never the loss. A greedy cal
 log-probs at temperature 1. Sleep/wake frees and restores the KV cache on GPU; on CPU it does
 nothing.
 
+**Generation TP** (``tensor_parallel_size`` tg > 1, the 3D-HybridEngine's generation layout):
+the engine joins the torch.distributed world its process already belongs to through vLLM's
+``external_launcher`` (every rank of a generation TP group builds its engine with the same seed,
+collectively), and ``load_weights`` then takes *this rank's* generation shard under HF names,
+never the full tensors: q/k/v/gate/up and the vocabulary as row chunk ``r`` of tg, o_proj and
+down_proj as column chunk ``r``, norms whole (``TrainShard.to_hf(shards, tg)`` of the megatron
+engine yields exactly these). vLLM's own loaders take full tensors and narrow them per rank, so
+at start every parameter is marked as already sharded (``_mark_sharded``, on the live parameters
+and on the meta copies vLLM re-materialises them from at each reload) and the vocabulary
+loader copies the given rows and zero-fills vLLM's padding. Limits, each refused in one line:
+vLLM's external launcher groups *consecutive* torch ranks (``initialize_model_parallel`` in
+``vllm/distributed/parallel_state.py``), so the generation TP group must be ``tg`` consecutive
+ranks starting at a multiple of tg (``check_tp_group``; true when training tp == tg); vLLM's
+vocabulary partition (padded to 64, split evenly) must have as many rows as the given shard.
+On CPU vLLM's TP communicator uses shared-memory files named the same for every run on a host
+and never removed: the engine removes its group's before starting (``stale_cpu_shm``), so two
+tg > 1 runs must not start on one host at the same moment.
+
 vLLM is imported only when an engine is built: validating a graph never loads it. Set
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` before the import (``import_vllm`` does) so the engine
 core lives in this process, next to the train engine.
@@ -33,6 +51,7 @@ core lives in this process, next to the train engine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -125,6 +144,115 @@ def _retie_and_repack(worker: Any) -> int:
     return 1
 
 
+def check_tp_group(ranks: list[int], tp: int) -> None:
+    """Raise a ValueError unless ``ranks`` (this rank's generation TP group, in TP-rank order)
+    are the ``tp`` consecutive torch ranks vLLM's external launcher would group."""
+    start = ranks[0] - ranks[0] % tp if ranks else 0
+    if len(ranks) != tp or ranks != list(range(start, start + tp)):
+        raise ValueError(
+            f"rollout.layout.tp={tp}: vLLM groups tp consecutive ranks, but this generation TP "
+            f"group is ranks {ranks} (stride training tp / rollout tp > 1); use rollout.layout.tp "
+            "equal to the training tp"
+        )
+
+
+def _external_launcher_env() -> None:
+    """vLLM's external launcher reads the torchrun variables; fill them from the initialised
+    torch.distributed world (one node: the local rank is the global one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("a vLLM engine with tensor_parallel_size > 1 needs torch.distributed initialised")
+    os.environ.setdefault("RANK", str(dist.get_rank()))
+    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+
+
+def stale_cpu_shm(rank: int, tp: int) -> list[str]:
+    """Shared-memory files of vLLM's CPU TP communicator for ``rank``'s group of ``tp``
+    consecutive ranks that already exist. vLLM 0.32 names them from the init method, which is
+    ``env://`` under the external launcher, so the name is the same for every run on the host,
+    and never unlinks them: the next start would fail with ``errno: 17``."""
+    import glob
+
+    start = rank - rank % tp
+    group = "-".join(str(r) for r in range(start, start + tp))
+    return sorted(p for p in glob.glob("/dev/shm/*cpushm_*") if f"[{group}]" in p)
+
+
+def _remove_stale_cpu_shm(tp: int) -> None:
+    """Collectively, before any rank creates its files: each rank removes the ``stale_cpu_shm``
+    files of its group (vLLM never unlinks them, so every earlier run on this host left them, and
+    a new segment is needed anyway; a live run keeps the segment it has mapped)."""
+    import torch.distributed as dist
+
+    for path in stale_cpu_shm(dist.get_rank(), tp):
+        try:
+            os.remove(path)
+        except FileNotFoundError:  # another rank of the group was first
+            pass
+    dist.barrier()
+
+
+def _load_vocab_rows(param: torch.Tensor, rows: torch.Tensor) -> None:
+    """vLLM vocabulary loader for a generation shard: exactly this rank's partition (vLLM's
+    padding to 64 included), else its rows would not start where vLLM's partition does."""
+    if rows.shape != param.shape:
+        raise ValueError(
+            f"vocabulary shard of shape {tuple(rows.shape)} is not vLLM's partition "
+            f"{tuple(param.shape)} (vocab_size padded to a multiple of 64, split over "
+            "rollout.layout.tp): use a source.config vocab_size that is a multiple of 64 * tp"
+        )
+    param.copy_(rows)
+
+
+def _mark_sharded(worker: Any) -> list[int]:
+    """Runs inside vLLM's worker: make every loader take this rank's shard as is (no narrow).
+
+    On the live parameters and on the meta copies a reload re-materialises them from (their
+    ``__dict__`` is copied): ``is_sharded_weight`` (linear loaders skip their narrow), ``tp_rank``
+    0 (the vLLMParameter loaders narrow by it), and the vocabulary loader above. Returns the rows
+    of this rank's vocabulary partitions (embedding, head).
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    rows = []
+    for layer in worker.model_runner.get_model().modules():
+        meta, _ = get_layerwise_info(layer).restore_metadata
+        live = dict(layer.named_parameters(recurse=False))
+        for tensor in [*meta.values(), *live.values()]:
+            tensor.__dict__["is_sharded_weight"] = True
+            if "tp_rank" in tensor.__dict__:
+                tensor.__dict__["tp_rank"] = 0
+            if isinstance(layer, VocabParallelEmbedding):
+                tensor.__dict__["weight_loader"] = _load_vocab_rows
+        if isinstance(layer, VocabParallelEmbedding):
+            rows.append(layer.num_embeddings_per_partition)
+    return rows
+
+
+def _weight_bytes(worker: Any) -> int:
+    """Runs inside vLLM's worker: bytes of its weights, from their shapes (on CPU the linear
+    weights live in oneDNN buffers their parameters no longer show), a tied head once."""
+    model = worker.model_runner.get_model()
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    total = 0
+    for name, layer in model.named_modules():
+        if tied and name == "lm_head":
+            continue
+        meta, _ = _restore_metadata(layer)  # shapes before repacking; a live one where absent
+        params = {**dict(layer.named_parameters(recurse=False)), **meta}
+        total += sum(t.numel() * t.element_size() for t in params.values())
+    return total
+
+
+def _restore_metadata(layer: nn.Module):
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    return get_layerwise_info(layer).restore_metadata
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """Generates with an in-process ``vllm.LLM`` built from an HF directory.
 
@@ -135,6 +263,8 @@ class VLLMRolloutEngine(RolloutEngine):
         max_model_len: longest prompt + response the engine must hold.
         seed: vLLM's engine seed (it re-seeds the process's RNGs at start; on CPU sampling
             then draws from torch's global RNG, which the worker seeds per rank afterwards).
+            At tg > 1 the same on every rank of the TP group (per generation replica): it seeds
+            every call's sampling (``_tp_rng``).
         dtype: weights and activations ("float32" makes rollout and training log-probs agree).
         temperature: the sampling temperature of every non-greedy call; it fixes what vLLM
             records as log-probs (``vllm_logprobs_mode``).
@@ -143,6 +273,11 @@ class VLLMRolloutEngine(RolloutEngine):
         gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
         progress: show vLLM's progress bar on every ``generate`` (for one-shot commands such
             as ``hybridflow eval``; a training run has its own).
+        tensor_parallel_size: generation TP (tg). Above 1 the engine is built collectively by
+            the ``tg`` consecutive ranks of an initialised torch.distributed world, and
+            ``load_weights`` takes this rank's generation shard (module docstring).
+        tp_ranks: this rank's generation TP group (torch ranks, in TP-rank order), checked
+            against vLLM's grouping (``check_tp_group``); None: not checked.
     """
 
     def __init__(
@@ -160,10 +295,25 @@ class VLLMRolloutEngine(RolloutEngine):
         progress: bool = False,
         adapter_config: dict[str, Any] | None = None,
         tokenizer: Any = None,
+        tensor_parallel_size: int = 1,
+        tp_ranks: list[int] | None = None,
     ) -> None:
         vllm = import_vllm()
         self.tokenizer = tokenizer  # finds stop strings of multi-turn rollouts (generate_turns)
         self.on_gpu = torch.cuda.is_available()
+        self.tp = tensor_parallel_size
+        self.seed = seed
+        self._calls = 0  # generate calls (tg > 1: they seed the sampling, _tp_rng)
+        parallel: dict[str, Any] = {}
+        if self.tp > 1:
+            if adapter_config is not None:
+                raise ValueError("rollout.layout.tp > 1 with a LoRA actor is not supported by the vLLM engine")
+            if tp_ranks is not None:
+                check_tp_group(list(tp_ranks), self.tp)
+            _external_launcher_env()
+            if not self.on_gpu:
+                _remove_stale_cpu_shm(self.tp)
+            parallel = dict(tensor_parallel_size=self.tp, distributed_executor_backend="external_launcher")
         check_head_size(model_dir, on_cpu=not self.on_gpu)
         self.eos_id = eos_id
         self.pad_id = pad_id
@@ -195,12 +345,18 @@ class VLLMRolloutEngine(RolloutEngine):
             disable_log_stats=True,
             **memory,
             **lora,
+            **parallel,
         )
         self._sampling_params_cls = vllm.SamplingParams
         self.asleep = False
         # Of the last load_weights call: tensors given, tied heads re-packed, seconds taken.
         self.last_load: dict[str, float] = {"loaded": 0, "repacked": 0, "seconds": 0.0}
         self._weight_bytes: int | None = None  # bytes the last load_weights took
+        self.vocab_rows: list[int] = []  # tg > 1: rows of this rank's vocabulary partitions
+        if self.tp > 1:
+            self.vocab_rows = self.llm.collective_rpc(_mark_sharded)[0]
+            # vLLM's own copy (this rank's partition) from its shapes, apart from what it is fed
+            self._weight_bytes = self.llm.collective_rpc(_weight_bytes)[0]
 
     @classmethod
     def build(
@@ -213,11 +369,15 @@ class VLLMRolloutEngine(RolloutEngine):
         seed: int,
         temperature: float = 1.0,
         adapter_config: dict[str, Any] | None = None,
+        tensor_parallel_size: int = 1,
+        tp_ranks: list[int] | None = None,
     ) -> "VLLMRolloutEngine":
         """Starts once from ``module``'s initial weights written to a temporary HF directory
         (removed once loaded), then takes every update in memory through ``load_weights``.
         With ``adapter_config`` (a LoRA actor) it starts from the base weights and takes
-        adapter updates through ``load_adapter``."""
+        adapter updates through ``load_adapter``. At ``tensor_parallel_size`` > 1 every rank
+        of ``tp_ranks`` calls this with the same ``seed`` (vLLM narrows the full start-up weights
+        itself; later updates come as this rank's generation shard)."""
         model_dir = tempfile.mkdtemp(prefix="hybridflow-vllm-")
         try:
             save_for_vllm(module, tokenizer, model_dir)
@@ -232,6 +392,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 temperature=temperature,
                 adapter_config=adapter_config,
                 tokenizer=tokenizer,
+                tensor_parallel_size=tensor_parallel_size,
+                tp_ranks=tp_ranks,
             )
         finally:
             shutil.rmtree(model_dir, ignore_errors=True)
@@ -279,9 +441,10 @@ class VLLMRolloutEngine(RolloutEngine):
         requests = [
             {"prompt_token_ids": ids[mask].tolist()} for ids, mask in zip(prompt_ids, prompt_mask)
         ]
-        outputs = self.llm.generate(
-            requests, self._vllm_params(params), use_tqdm=self.progress, lora_request=self._lora_request
-        )
+        with self._tp_rng():
+            outputs = self.llm.generate(
+                requests, self._vllm_params(params), use_tqdm=self.progress, lora_request=self._lora_request
+            )
 
         num_samples = len(requests) * params.n
         responses = torch.full((num_samples, params.max_new_tokens), self.pad_id, dtype=torch.int64)
@@ -327,7 +490,8 @@ class VLLMRolloutEngine(RolloutEngine):
             self._vllm_params(replace(one, max_new_tokens=b), stop_token_ids=[self.eos_id, *single])
             for b in max_new_tokens
         ]
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora_request)
+        with self._tp_rng():
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora_request)
         results = []
         for request_output in outputs:
             completion = request_output.outputs[0]
@@ -348,11 +512,25 @@ class VLLMRolloutEngine(RolloutEngine):
             return None
         return next(k for k in range(1, len(ids) + 1) if any(s in self.tokenizer.decode(ids[:k]) for s in stop))
 
+    def _tp_rng(self):
+        """At tg > 1 every rank of the TP group samples on its own (CPU sampling draws from
+        torch's global RNG) and must draw the same tokens, or the ranks' schedulers diverge:
+        each generate call samples under a generator seeded from the engine seed (the same on
+        the group) and the call count, the process's RNG left as it was."""
+        if self.tp == 1:
+            return contextlib.nullcontext()
+        self._calls += 1
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.random.fork_rng(devices=[]))
+        torch.manual_seed(self.seed * 1_000_003 + self._calls)
+        return stack
+
     # -- weights ------------------------------------------------------------------------------
 
     @torch.no_grad()
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> int:
-        """Load ``(HF name, tensor)`` pairs in place: no restart, no disk.
+        """Load ``(HF name, tensor)`` pairs in place: no restart, no disk. Returns the bytes
+        given (at tg > 1: this rank's generation shard, the bytes it received).
 
         Re-ties and re-packs a tied ``lm_head`` and resets the prefix cache afterwards.
         """
@@ -373,7 +551,8 @@ class VLLMRolloutEngine(RolloutEngine):
         )
         repacked = sum(self.llm.collective_rpc(_retie_and_repack))
         self.llm.reset_prefix_cache()
-        self._weight_bytes = loaded_bytes
+        if self.tp == 1:
+            self._weight_bytes = loaded_bytes
         self.last_load = {
             "loaded": len(counted),
             "repacked": repacked,
@@ -444,7 +623,8 @@ class VLLMRolloutEngine(RolloutEngine):
     def weight_bytes(self) -> int | None:
         """Bytes of vLLM's own copy of the weights, counted as the tensors its last
         ``load_weights`` took (None before one): on CPU vLLM repacks linear weights into oneDNN
-        buffers that its parameters no longer show."""
+        buffers that its parameters no longer show. At tg > 1: this rank's partition, from
+        vLLM's parameter shapes (vocabulary padding and packed q/k/v included), from the start."""
         return self._weight_bytes
 
     def offload(self) -> None:

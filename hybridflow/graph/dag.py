@@ -59,7 +59,7 @@ class Graph:
 
     def dispatch_layout(self, node: Node) -> ParallelLayout:
         """The layout a node's batch is split over: the actor's generation layout for an op
-        that generates (tp = pp = 1: every rank a replica), else the model's training layout
+        that generates (its generation TP peers share a chunk), else the model's training layout
         (one chunk per data-parallel rank, shared by its tensor/pipeline peers)."""
         if self.op(node).generates:
             gen = self.spec.models[node.model].rollout.layout
@@ -375,14 +375,27 @@ def _resolve_placement(
                     f"generation tp/pp ({gen.tp}/{gen.pp}) must divide training tp/pp "
                     f"({layouts[name].tp}/{layouts[name].pp})",
                 )
-            if gen.tp * gen.pp > 1:
-                raise SpecError(
-                    file,
-                    f"models.{name}.rollout.layout",
-                    f"generation tp/pp {gen.tp}/{gen.pp} is not available: the rollout engines "
-                    "generate at tp = pp = 1 (the resharder itself handles any tg, pg)",
-                )
+            _check_generation_layout(model.rollout, layouts[name], file, f"models.{name}.rollout")
     return placement, layouts
+
+
+def _check_generation_layout(rollout, train: ParallelLayout, file: str, field: str) -> None:
+    """Generation TP > 1 runs on vLLM only, at pp = 1, over ranks vLLM's external launcher
+    groups itself: consecutive ones, i.e. generation tp == training tp (stride 1)."""
+    gen = rollout.layout
+    if gen.tp * gen.pp == 1:
+        return
+    if gen.pp > 1:
+        raise SpecError(file, f"{field}.layout.pp", f"generation pp {gen.pp} is not available: the rollout engines generate at pp = 1")
+    if rollout.engine != "vllm":
+        raise SpecError(file, f"{field}.layout.tp", f"generation tp {gen.tp} needs rollout.engine vllm (got {rollout.engine})")
+    if gen.tp != train.tp:
+        raise SpecError(
+            file,
+            f"{field}.layout.tp",
+            f"generation tp {gen.tp} must equal the training tp {train.tp}: vLLM's external launcher "
+            "groups consecutive ranks, the 3D-HybridEngine's generation groups are strided otherwise",
+        )
 
 
 def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node], nx.DiGraph]:

@@ -18,7 +18,9 @@ A tg-way generation model needs process groups over ``generation_tp_groups`` (an
 ``generation_pp_groups``): they are not megatron's default TP groups. With p = 1 and d = 1 they are
 megatron's ``initialize_model_parallel(tensor_model_parallel_size=tg, order="dp-tp-pp")`` (DP
 fastest; ``tests/test_reshard_megatron.py``); in general a rollout engine builds them from these
-lists (vLLM's external launcher takes its own groups).
+lists. vLLM's external launcher (vLLM 0.32) does not take groups: it forms its TP groups from
+*consecutive* torch ranks, which are these groups only at stride ``t/tg`` = 1 (pp = 1); the vLLM
+engine refuses any other group (``engines.vllm_rollout.check_tp_group``).
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ def read_hf_weights(path: str | Path, model: str, hf_config) -> dict[str, torch.
     from hybridflow.engines.megatron.convert import Dims, to_hf
 
     dims = Dims.from_hf(hf_config)
-    weights = dict(to_hf(read("weights").items(), dims, tp=1, trim_vocab=False))
+    weights = dict(to_hf(read("weights").items(), dims, tp=1, trim_vocab=True))  # saved padded
     if dims.tied:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return weights

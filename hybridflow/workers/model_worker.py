@@ -30,7 +30,7 @@ from hybridflow.rewards.ending import apply_ending_rule, scorer_options
 from hybridflow.rewards.overlong import overlong_penalty
 from hybridflow.rewards.remote import RewardSources, row_fields
 from hybridflow.spec.graph import Spec, UpdateOptions
-from hybridflow.spec.layout import RankCoords
+from hybridflow.spec.layout import GenerationLayout, ParallelLayout, RankCoords
 from hybridflow.workers import algo_steps, checkpointing
 from hybridflow.workers.base import Worker
 from hybridflow.workers.colocation import Colocation
@@ -120,10 +120,10 @@ class ModelWorker(Worker):
                     max_model_len=data.max_prompt_length + data.max_response_length,
                     # A whole iteration's samples fit in the KV cache at once (one batch per generate call).
                     max_num_seqs=data.prompts_per_iteration * rollout.n,
-                    seed=seed * 1000 + rank,
                     temperature=rollout.temperature,
                     # vLLM starts with LoRA only when it will take adapters, not merged weights
                     adapter_config=None if rollout.lora_sync == "merged" else engine.adapter_config(),
+                    **_generation_tp(graph.layouts[name], rollout.layout.tp, rank, seed),
                 )
                 self.weight_syncs[name] = weight_sync(engine, rollout)  # collective when resharded
         for name, actor in served.items():
@@ -523,3 +523,15 @@ class ModelWorker(Worker):
             return loss, metrics
 
         return loss_fn
+
+
+def _generation_tp(train: ParallelLayout, tp: int, rank: int, seed: int) -> dict[str, Any]:
+    """The rollout engine's seed, and at generation tp > 1 its TP group: every rank of a
+    generation TP group (``hybrid_engine.groups``) builds it with the same seed, its replica's."""
+    if tp == 1:
+        return {"seed": seed * 1000 + rank}
+    from hybridflow.hybrid_engine.groups import gen_replica, generation_tp_groups
+
+    gen = GenerationLayout(train=train, tp=tp)
+    group = next(g for g in generation_tp_groups(gen) if rank in g)
+    return {"seed": seed * 1000 + gen_replica(gen, rank), "tensor_parallel_size": tp, "tp_ranks": group}

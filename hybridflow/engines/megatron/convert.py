@@ -11,8 +11,8 @@ Weight-layout facts the conversion follows (megatron's fused, TP-sharded tensors
   ``[gate; up]``, which is why named shards are given unfused, with HF names.
 - Row-parallel layers (``linear_proj`` = ``o_proj``, ``linear_fc2`` = ``down_proj``) split on the
   input dimension (dim 1); column-parallel ones and the vocabulary on dim 0.
-- The vocabulary is padded to a multiple of ``t`` (zero rows; logits beyond the HF vocab are
-  dropped by the engine). Norms are replicated on every TP rank.
+- The vocabulary is padded to a multiple of lcm(``t``, 64) (zero rows; logits beyond the HF
+  vocab are dropped by the engine): vLLM's padding, so generation shards fit its partitions. Norms are replicated on every TP rank.
 - Layers are split evenly over pipeline stages; a stage numbers its layers from 0. With tied
   embeddings and ``p > 1`` the last stage holds its own copy of the embedding as
   ``output_layer.weight`` (megatron all-reduces its gradient with the first stage's).
@@ -27,13 +27,14 @@ training shard:
   ``g`` of ``tg`` is what a ``tg``-way model needs. :func:`to_hf` splits it back into q, k, v.
 - ``mlp.gate_proj.weight`` then ``mlp.up_proj.weight``: adjacent slots whose two chunks together
   are rank ``r``'s ``linear_fc1`` (``[gate_r; up_r]``).
-- Vocabulary tensors padded to a multiple of ``t``; everything else as in HF.
+- Vocabulary tensors padded (``Dims.padded_vocab``); everything else as in HF.
 - With tied embeddings, HF's ``lm_head.weight`` is not listed, nor is the last stage's
   ``output_layer.weight`` copy at ``p > 1`` (the engine keeps that one outside the buffer).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -42,6 +43,9 @@ from torch import Tensor
 
 from hybridflow.engines.shards import ShardSpec, TrainShardBuffer
 from hybridflow.spec.layout import ParallelLayout, RankCoords
+
+
+VLLM_VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE (0.32)
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,11 @@ class Dims:
         return range(coords.pp_rank * per_stage, (coords.pp_rank + 1) * per_stage)
 
     def padded_vocab(self, tp: int) -> int:
-        return -(-self.vocab_size // tp) * tp
+        """The vocabulary padded to a multiple of lcm(tp, 64): vLLM's own padding (64) when
+        tp divides 64, so a generation shard's vocabulary rows are exactly a tg-way vLLM
+        partition's (``engines/vllm_rollout.py``; megatron's own default pads to 128 * tp)."""
+        multiple = math.lcm(tp, VLLM_VOCAB_PADDING)
+        return -(-self.vocab_size // multiple) * multiple
 
     @property
     def heads_per_group(self) -> int:

@@ -49,7 +49,6 @@ from hybridflow.data import keys as K
 from hybridflow.engines.base import LossFn, ModelKind, TrainEngine, TrainShard
 from hybridflow.engines.megatron import cpu_compat
 from hybridflow.engines.megatron.convert import (
-    VOCAB_TENSORS,
     Dims,
     hf_to_megatron,
     megatron_views,
@@ -476,8 +475,8 @@ class MegatronTrainEngine(TrainEngine):
     def state_dict(self) -> dict:
         """The engine's state for ``torch.distributed.checkpoint``, layout-free: every tensor is
         a piece of the *full* HF-layout tensor (:func:`~hybridflow.engines.shards.checkpoint_piece`,
-        the vocabulary without its TP padding), named as in the resharding layout, so the
-        checkpoint loads under any tp x pp x dp.
+        the vocabulary with its padding, ``Dims.padded_vocab``), named as in the resharding
+        layout, so the checkpoint loads under any tp x pp x dp (tp dividing 64).
 
         ``weights`` (views of ``train_shard``), ``optim`` (Adam's per-parameter moments, sharded
         like the weights, and its step), ``main`` (the fp32 main weights, bf16 models only) and
@@ -496,10 +495,9 @@ class MegatronTrainEngine(TrainEngine):
 
         def pieces(named: dict[str, Tensor]) -> dict[str, Tensor]:
             return {
-                name: checkpoint_piece(
-                    specs[name], tensor, tp, self.coords.tp_rank, mesh,
-                    self.dims.vocab_size if name in VOCAB_TENSORS else None,
-                )
+                # the vocabulary with its padding (to 64 rows: the same under any tp dividing 64;
+                # trimmed, its rows would not be torch.chunk's split that a DTensor shard is)
+                name: checkpoint_piece(specs[name], tensor, tp, self.coords.tp_rank, mesh)
                 for name, tensor in named.items()
             }
 
