@@ -70,6 +70,13 @@ def test_product_env_shapes_rewards():
     assert env.step("(12*34)").reward == 0.0  # shaping is paid once per episode
     assert env.step("408") == Step("", 1.0, True, {"success": True})
     env.reset(row)
+    env.step("(12*34)")
+    # the answer is the final turn's last number: a closing tag after it changes nothing
+    assert env.step("408)") == Step("", 1.0, True, {"success": True})
+    env.reset(row)
+    env.step("(12*34)")
+    assert env.step("408 4").reward == pytest.approx(COPY_REWARD * 1 / 3)  # "4" vs "408"
+    env.reset(row)
     malformed = env.step("(12*)")  # not an expression: no call reward, but 3 of 5 operand characters
     assert malformed == Step("[]", pytest.approx(OPERANDS_REWARD * 3 / 5), False, {"tool_calls": 1, "tool_errors": 1})
     env.reset(row)

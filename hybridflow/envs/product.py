@@ -9,7 +9,9 @@ calculator (tags ``(`` and ``)``: ``(12*34)``), read the result (between ``[`` a
   ``OPERANDS_REWARD`` (well formed or not), by the character accuracy of its expression against the
   prompt's (``12*34``: exactly the prompt's two numbers); later calls get nothing (paying
   every call taught the model to call until ``max_turns`` instead of answering);
-- the final turn: 1.0 for the exact product; else up to ``COPY_REWARD`` by the character
+- the final turn: its answer is the last number in it (``"408)"`` and ``"= 408"`` answer
+  ``408``, as GSM8K-style graders read the last number); 1.0 for the exact product; else up to
+  ``COPY_REWARD`` by the character
   accuracy of the answer against the calculator's last result, times that of the call's
   operands (copying what the calculator said about the right question: partial credit
   against the true product was won by answering ``111`` everywhere, most products starting
@@ -20,6 +22,7 @@ The shaping lets GRPO's group-relative advantages differ while the success rate 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from hybridflow.data.tasks import char_accuracy
@@ -30,6 +33,12 @@ PRODUCT_FORMAT = {"open": "(", "close": ")", "result_open": "[", "result_close":
 CALL_REWARD = 0.05
 OPERANDS_REWARD = 1.0
 COPY_REWARD = 0.4
+
+
+def final_number(text: str) -> str:
+    """The last run of digits in ``text`` ("" when it has none): the answer of a final turn."""
+    numbers = re.findall(r"\d+", text)
+    return numbers[-1] if numbers else ""
 
 
 class ProductEnv(ToolEnv):
@@ -69,7 +78,7 @@ class ProductEnv(ToolEnv):
         return (CALL_REWARD if ok else 0.0) + operands
 
     def final_reward(self, answer: str) -> float:
-        answer = answer.strip()
+        answer = final_number(answer)
         if answer == str(self.row.get("ground_truth", "")):
             return 1.0
         if not self.last_result:
