@@ -17,6 +17,7 @@ a graph file can name them as rule sources, e.g. ``hybridflow.data.tasks:copy_re
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -139,11 +140,18 @@ def _product(body: str) -> str:
     return str(int(left) * int(right))
 
 
+def final_number(text: str) -> str:
+    """The last run of digits in ``text`` ("" when it has none): a ``product`` answer, read the
+    way GSM8K-style graders read the last number."""
+    numbers = re.findall(r"\d+", text)
+    return numbers[-1] if numbers else ""
+
+
 def product_reward(prompt: str, response: str, ground_truth: str) -> float:
-    """Reward of the ``product`` task as a single-turn rule: exact match of the text after the
-    last tool result (``]``), else nothing. The multi-turn environment
+    """Reward of the ``product`` task as a single-turn rule: exact match of the last number
+    after the last tool result (``]``), else nothing. The multi-turn environment
     (``hybridflow.envs.product``) gives the shaped rewards."""
-    return float(response.rsplit("]", 1)[-1].strip() == ground_truth)
+    return float(final_number(response.rsplit("]", 1)[-1]) == ground_truth)
 
 
 # Module-level functions rather than lambdas so a Task pickles (Ray ships them to workers).

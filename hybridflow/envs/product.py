@@ -22,10 +22,9 @@ The shaping lets GRPO's group-relative advantages differ while the success rate 
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from hybridflow.data.tasks import char_accuracy
+from hybridflow.data.tasks import char_accuracy, final_number
 from hybridflow.envs.parsing import ToolCall
 from hybridflow.envs.tools import ToolEnv
 
@@ -33,12 +32,6 @@ PRODUCT_FORMAT = {"open": "(", "close": ")", "result_open": "[", "result_close":
 CALL_REWARD = 0.05
 OPERANDS_REWARD = 1.0
 COPY_REWARD = 0.4
-
-
-def final_number(text: str) -> str:
-    """The last run of digits in ``text`` ("" when it has none): the answer of a final turn."""
-    numbers = re.findall(r"\d+", text)
-    return numbers[-1] if numbers else ""
 
 
 class ProductEnv(ToolEnv):
