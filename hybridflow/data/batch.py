@@ -45,14 +45,25 @@ def build_rollout_fields(
     columns = torch.arange(num_response_tokens, device=responses.device)
     response_mask = (columns[None, :] <= first_eos[:, None]).to(torch.int64)
     responses = responses.masked_fill(response_mask == 0, pad_id)
-    attention_mask = torch.cat([prompt_mask.to(torch.int64), response_mask], dim=-1)
     return {
         K.RESPONSES: responses,
         K.RESPONSE_MASK: response_mask,
+        **sequence_fields(prompt_ids, prompt_mask, responses, response_mask),
+        K.TRUNCATED: ~has_eos,
+    }
+
+
+def sequence_fields(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, response_real: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``input_ids`` (B, P+R) = prompt ++ response; ``attention_mask`` (B, P+R) = prompt_mask ++
+    ``response_real`` (B, R), 1 on every real response token (a multi-turn episode's observation
+    tokens too); ``position_ids`` (B, P+R) = cumsum(attention_mask) - 1 clamped at 0."""
+    attention_mask = torch.cat([prompt_mask.to(torch.int64), response_real.to(torch.int64)], dim=-1)
+    return {
         K.INPUT_IDS: torch.cat([prompt_ids, responses], dim=-1),
         K.ATTENTION_MASK: attention_mask,
         K.POSITION_IDS: (attention_mask.cumsum(dim=-1) - 1).clamp(min=0),
-        K.TRUNCATED: ~has_eos,
     }
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from hybridflow.data import keys as K
+from hybridflow.data.batch import sequence_fields
 from hybridflow.envs.base import Environment, Step
 
 # generate(contexts, max_new_tokens per context) -> per context (new tokens, their log-probs,
@@ -199,13 +200,10 @@ def episode_fields(
         log_probs[i, :n] = torch.tensor(e.log_probs, dtype=torch.float32)
         for position, reward in e.step_rewards:
             token_rewards[i, position] += reward
-    attention_mask = torch.cat([prompt_mask.to(torch.int64), real], dim=-1)
     return {
         K.RESPONSES: responses,
         K.RESPONSE_MASK: response_mask,
-        K.INPUT_IDS: torch.cat([prompt_ids, responses], dim=-1),
-        K.ATTENTION_MASK: attention_mask,
-        K.POSITION_IDS: (attention_mask.cumsum(dim=-1) - 1).clamp(min=0),
+        **sequence_fields(prompt_ids, prompt_mask, responses, real),
         K.TRUNCATED: torch.tensor([e.truncated for e in episodes]),
         K.ROLLOUT_LOG_PROBS: log_probs * response_mask,
         K.SCORES: torch.tensor([e.score for e in episodes], dtype=torch.float32),
