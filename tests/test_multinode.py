@@ -87,11 +87,20 @@ def two_nodes(tmp_path_factory):
     try:
         address = f"127.0.0.1:{port}"
         _wait_for(address, 1, procs, logs)
-        procs.append(
-            _ray_start(temp_dir, logs / "second.log", f"--address={address}", "--num-cpus=2",
-                       f"--labels={LABEL}=second")
-        )
-        _wait_for(address, 2, procs, logs)
+        # Ray gives a raylet a fixed 30 s to register (ray/_private/node.py); on a loaded machine
+        # (CI, with the suite's leftovers) `ray start` can exit 1 before that. Retry the join.
+        for attempt in range(3):
+            procs.append(
+                _ray_start(temp_dir, logs / f"second{attempt}.log", f"--address={address}",
+                           "--num-cpus=2", f"--labels={LABEL}=second")
+            )
+            try:
+                _wait_for(address, 2, procs, logs)
+                break
+            except RuntimeError:
+                if attempt == 2 or procs[0].poll() is not None:
+                    raise
+                _stop(procs.pop())
         yield address
     finally:
         for proc in reversed(procs):
