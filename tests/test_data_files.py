@@ -147,8 +147,13 @@ def test_chat_rendering_equals_apply_chat_template():
     assert render_prompt({"prompt": own}, tok, system_prompt="Be brief.")[1] == list(
         tok.apply_chat_template(own, add_generation_prompt=True, tokenize=True, return_dict=False)
     )
-    # Raw strings are tokenized as they are, no template.
+    # Raw strings are tokenized as they are, no template ...
     assert render_prompt({"prompt": "ab"}, tok)[1] == tok("ab", add_special_tokens=False)["input_ids"]
+    # ... unless a system prompt is set: then the string is the user's message after it.
+    user = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"}]
+    assert render_prompt({"prompt": "ab"}, tok, system_prompt="Be brief.")[1] == list(
+        tok.apply_chat_template(user, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
 
 
 def test_rollout_starts_from_the_rendered_ids():

@@ -362,6 +362,26 @@ def test_tool_env_in_the_chat_template_format(chat_tokenizer):
         ToolEnv(tool_format="xml")
 
 
+def test_product_env_in_the_chat_template_format(chat_tokenizer):
+    """The product task for a chat model: the question is found in the user's message, the
+    calculator's answer is read from the tool message the template renders, and errors show
+    their message (the tag format's tiny alphabet shows none)."""
+    from hybridflow.envs.product import CALL_REWARD, COPY_REWARD, OPERANDS_REWARD
+
+    env = env_factory("product", {"tool_format": "chat"})()
+    env.use_tokenizer(chat_tokenizer)
+    row = {"prompt": [{"role": "user", "content": "what is 12*34?"}], "ground_truth": "408"}
+    env.reset(row)
+    step = env.step('<tool_call>{"name": "calc", "arguments": "12*34"}</tool_call>')
+    assert step.observation == "\n<|im_start|>tool\n408<eos>\n<|im_start|>assistant\n"
+    assert step.reward == pytest.approx(CALL_REWARD + OPERANDS_REWARD)
+    assert env.step("it is 407").reward == pytest.approx(COPY_REWARD * 2 / 3)  # copy of "408"
+    env.reset({"prompt": "12*34=", "ground_truth": "408"})  # a string prompt: the same question
+    bad = env.step('<tool_call>{"name": "calc", "arguments": "12*"}</tool_call>')
+    assert "error: not an expression" in bad.observation
+    assert bad.reward == pytest.approx(OPERANDS_REWARD * 3 / 5)
+
+
 def test_env_rows_carry_the_row_fields():
     from tensordict import TensorDict
 

@@ -80,3 +80,23 @@ def test_two_iterations_of_the_shipped_graph_then_eval(tmp_path, monkeypatch, ca
 
     assert main(["plot", str(run_dir), "--out", str(tmp_path / "plot.png")]) == 0
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_product_environment_on_smollm2_in_its_chat_format(tmp_path, monkeypatch, smollm2_dir):
+    """graphs/grpo_tool_smollm2.yaml, shrunk: SmolLM2 runs the product environment (calls in its
+    chat template's format, vLLM multi-turn rollout, LoRA update) for two iterations; the
+    training forward over the episodes (tool messages in context, masked) agrees with vLLM's."""
+    monkeypatch.chdir(ROOT)
+    run_dir = tmp_path / "run"
+    small = ["trainer.iterations=2", "data.prompts_per_iteration=2", "models.actor.rollout.n=2",
+             "data.max_response_length=48", "trainer.sample_interval=1"]
+    assert main(["run", "graphs/grpo_tool_smollm2.yaml", *small, "--run-dir", str(run_dir)]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["rollout/turns_mean"] >= 1.0 and row["tool/calls_per_sample"] >= 0.0
+        assert (row["rollout/turns_mean"] > 1.0) == (row["tool/calls_per_sample"] > 0.0)
+        assert 0.0 <= row["env/success"] <= 1.0
+        assert 0 <= row["actor/rollout_log_prob_diff_max"] < 1e-3
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert samples and all("reward" in s for s in samples)

@@ -19,7 +19,7 @@ A row is ``{"prompt", "ground_truth", "data_source", "extra_info", "origin"}``; 
 ``FILE:LINE`` (JSONL) or ``FILE:row N`` (parquet, 0-based) for error messages. A prompt given
 as chat messages is rendered with the tokenizer's chat template (``add_generation_prompt``; a
 ``system_prompt`` is put first when the messages have no system message); a string prompt is
-tokenized as it is. The rendered ids are exactly what the rollout starts from.
+tokenized as it is, or, with a ``system_prompt`` and a chat template, is the user's message. The rendered ids are exactly what the rollout starts from.
 
 A batch is a ``TensorDict`` with batch size ``[B]`` holding the ``prompts`` fields of
 ``hybridflow.data.keys``::
@@ -294,10 +294,15 @@ def _row(obj: dict, where: str, field: str) -> dict:
 def render_prompt(row: dict, tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None) -> tuple[str, list[int]]:
     """A row's prompt as text and token ids: chat messages through the tokenizer's chat
     template with ``add_generation_prompt`` (``system_prompt`` first unless the messages start
-    with a system message); a string as it is, no special tokens added."""
+    with a system message); a string as it is, no special tokens added, unless a
+    ``system_prompt`` is given and the tokenizer has a chat template: then the string is the
+    user's message (a built-in task's ``"12*34="`` for a chat model)."""
     prompt = row["prompt"]
-    if isinstance(prompt, str):
+    chat = getattr(tokenizer, "chat_template", None) is not None
+    if isinstance(prompt, str) and not (system_prompt is not None and chat):
         return prompt, list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if isinstance(prompt, str):  # a system prompt makes a string prompt the user's message
+        prompt = [{"role": "user", "content": prompt}]
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(
             f"{row.get(ORIGIN, 'a prompt row')}: prompt: chat messages need a tokenizer with a chat "

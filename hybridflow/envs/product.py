@@ -22,16 +22,18 @@ The shaping lets GRPO's group-relative advantages differ while the success rate 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from hybridflow.data.tasks import char_accuracy, final_number
-from hybridflow.envs.parsing import ToolCall
+from hybridflow.envs.parsing import TagFormat, ToolCall
 from hybridflow.envs.tools import ToolEnv
 
 PRODUCT_FORMAT = {"open": "(", "close": ")", "result_open": "[", "result_close": "]", "default_tool": "calc"}
 CALL_REWARD = 0.05
 OPERANDS_REWARD = 1.0
 COPY_REWARD = 0.4
+QUESTION = re.compile(r"\d+\s*\*\s*\d+")
 
 
 class ProductEnv(ToolEnv):
@@ -42,24 +44,28 @@ class ProductEnv(ToolEnv):
 
     def reset(self, row: dict[str, Any]) -> str:
         self.shaped = False
-        self.last_result: str | None = None
         self.operands = 0.0  # character accuracy of the last call against the question
         return super().reset(row)
 
     def step(self, action_text: str):
         step = super().step(action_text)
         if not step.done:
-            self.last_result = step.observation[1:-1]  # "[408]" -> "408"
             call = self.format.parse(action_text, list(self.tools))
             self.operands = char_accuracy(call.argument.strip(), self.question)
         return step
 
     @property
     def question(self) -> str:
-        return str(self.row.get("prompt", "")).rstrip("=")
+        """The prompt's ``12*34``: in ``"12*34="`` or in the last message of a chat prompt
+        (``"What is 12*34? ..."``, a chat model's rendering of the same task)."""
+        prompt = self.row.get("prompt", "")
+        text = prompt[-1]["content"] if isinstance(prompt, list) and prompt else str(prompt)
+        found = QUESTION.search(text)
+        return found.group(0) if found else text.rstrip("=")
 
     def error_text(self, message: str) -> str:
-        return ""  # "[]": the tiny alphabet has no letters, and the budget is small
+        # "[]" in the tag format: the tiny model's alphabet has no letters, and its budget is small
+        return "" if isinstance(self.format, TagFormat) else message
 
     def call_reward(self, call: ToolCall, ok: bool) -> float:
         if self.shaped:

@@ -114,6 +114,7 @@ class ToolEnv(Environment):
 
     def reset(self, row: dict[str, Any]) -> str:
         self.row = row
+        self.last_result: str | None = None  # the text of the last call's answer, before rendering
         return ""
 
     def stop_strings(self) -> list[str]:
@@ -130,6 +131,7 @@ class ToolEnv(Environment):
             text, ok = self.tools[call.tool](call.argument), True
         except ToolError as exc:
             text, ok = self.error_text(str(exc)), False
+        self.last_result = text
         return Step(self.format.render_result(text), self.call_reward(call, ok), False,
                     {"tool_calls": 1, "tool_errors": int(not ok)})
 

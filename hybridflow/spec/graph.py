@@ -662,7 +662,8 @@ class DataSpec(Spec):
     system_prompt: str | None = Field(
         None,
         description="System message put before chat-message prompts that have none (the "
-        "model's chat template may insert its own default otherwise).",
+        "model's chat template may insert its own default otherwise). With a tokenizer that has "
+        "a chat template, a string prompt then becomes the user's message after it.",
     )
     prompts_per_iteration: int = Field(16, ge=1, description="Prompts per iteration.")
     max_prompt_length: int = Field(16, ge=1, description="Prompt tokens; longer prompts fail.")
