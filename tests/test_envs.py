@@ -320,6 +320,8 @@ def test_grpo_tool_graph_runs_and_logs_tool_metrics(ray_session, tmp_path):
     for key in ("tool/calls_per_sample", "tool/errors", "rollout/turns_mean", "env/success", "reward/mean"):
         assert all(key in r and math.isfinite(r[key]) for r in rows), key
     assert rows[-1]["rollout/turns_mean"] >= 1.0
+    # every episode carries the weight version it was generated with: this iteration's (sync)
+    assert all(r["async/staleness_max"] == 0.0 for r in rows)
     assert "val/env/success" in rows[-1]  # validation runs the multi-turn node greedily
     # training saw the observation tokens in context and agreed with the rollout's log-probs
     assert rows[-1]["actor/rollout_log_prob_diff_max"] < 1e-3

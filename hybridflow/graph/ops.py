@@ -161,7 +161,7 @@ register_op(Op(
     inputs={"*": ("prompts",)},
     outputs={"*": ("responses", "scores")},
     writes={
-        "responses": (*_ROLLOUT, K.ROLLOUT_LOG_PROBS, *SOURCE_WRITES["prompts"][2:]),
+        "responses": (*_ROLLOUT, K.ROLLOUT_LOG_PROBS, K.WEIGHT_VERSION, *SOURCE_WRITES["prompts"][2:]),
         "scores": (K.SCORES, K.TOKEN_REWARDS),
     },
     text=True,

@@ -221,6 +221,7 @@ class ModelWorker(Worker):
             num_env_workers=opts.num_env_workers,
         )
         batch.update(episode_fields(episodes, batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], width, tok.pad_token_id))
+        batch[K.WEIGHT_VERSION] = torch.full((batch.batch_size[0],), self.rollout_versions[node.model], dtype=torch.int64)
         lengths = batch[K.RESPONSE_MASK].sum(-1).float()
         scores = batch[K.SCORES]
         metrics = {
