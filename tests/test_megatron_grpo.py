@@ -59,8 +59,8 @@ def test_grpo_megatron_tp2_trains_and_syncs(ray_session, tmp_path):
         assert 0 < replicated < 0.01 * model
         assert shard == (model - replicated) / 2 + replicated
         assert row["reshard/packed_bytes"] == 0
-        assert row["reshard/bytes_received"] == shard
-        assert row["reshard/peak_weight_bytes"] == 2 * shard
+        assert row["reshard/received_bytes"] == shard
+        assert row["reshard/peak_bytes"] == 2 * shard
         assert row["reshard/weight_bytes_after_release"] == shard
         assert 0.9 * model < row["reshard/rollout_copy_bytes"] <= model  # vocab not padded
     assert rows[-1]["actor/kl"] > 0.0
@@ -114,7 +114,7 @@ def test_grpo_megatron_with_vllm_tp2_rollout(ray_session, tmp_path):
     for row in rows:
         assert row["actor/rollout_log_prob_diff_max"] < 1e-4
         model, shard = row["reshard/model_bytes"], row["reshard/train_shard_bytes"]
-        assert row["reshard/bytes_received"] == 0  # micro-DP group of one rank
+        assert row["reshard/received_bytes"] == 0  # micro-DP group of one rank
         assert row["weight_sync/bytes"] == shard < 0.6 * model  # half the model + the norms
         assert row["reshard/rollout_copy_bytes"] == shard  # vLLM's partition (padding included)
     assert rows[-1]["actor/kl"] > 0.0
