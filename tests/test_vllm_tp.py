@@ -134,7 +134,7 @@ def test_vocab_shard_must_be_the_partition():
         _load_vocab_rows(param, torch.ones(50, 8))  # vocab 100 at tg 2: vLLM pads to 128
 
 
-def _megatron_rank(rank: int, world: int, port: int, pp: int) -> None:
+def _megatron_rank(rank: int, world: int, port: int, pp: int, backend: str = "gloo") -> None:
     """Megatron t = 2 (x p = ``pp``) trains model B; vLLM tg = 2 (pg = 1) starts from model A on
     each pair of consecutive ranks and takes B through the resharder (``ReshardedSync``: the
     micro-DP all-gather, then the megatron engine's own ``to_hf`` of the generation shard).
@@ -146,10 +146,11 @@ def _megatron_rank(rank: int, world: int, port: int, pp: int) -> None:
     whose every tensor is TP-split into equal stages. Here the norms (R bytes) are replicated and
     the embedding makes stage 0 larger, so a rank of stage s receives stage 1-s's shard,
     S_{1-s}/2 + R_{1-s} (S: its split bytes), and holds both at its peak:
-    (M - R)/2 + R = M/2 + R/2. Logged as the max over ranks."""
+    (M - R)/2 + R = M/2 + R/2. Logged as the max over ranks. On ``backend="nccl"`` (one CUDA
+    device per rank, ``tests/gpu``) the same checks; the HF reference stays on the CPU."""
     import copy
 
-    init_dist(rank, world, port)
+    init_dist(rank, world, port, backend)
     from hybridflow.engines.base import SamplingParams
     from hybridflow.engines.megatron import MegatronTrainEngine
     from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, save_for_vllm
@@ -191,9 +192,10 @@ def _megatron_rank(rank: int, world: int, port: int, pp: int) -> None:
         {K.PROMPT_IDS: ids, K.PROMPT_MASK: torch.ones_like(ids), K.UID: torch.arange(3)}, batch_size=[3]
     )
     out = rollout.generate(prompts, SamplingParams(n=1, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, greedy=True))
-    greedy, log_probs = hf_reference(model_b, ids, out[K.RESPONSES])
-    assert torch.equal(out[K.RESPONSES], greedy), (rank, out[K.RESPONSES], greedy)
-    err = float((out[K.ROLLOUT_LOG_PROBS] - log_probs).abs().max())
+    responses = out[K.RESPONSES].cpu()
+    greedy, log_probs = hf_reference(model_b, ids, responses)
+    assert torch.equal(responses, greedy), (rank, responses, greedy)
+    err = float((out[K.ROLLOUT_LOG_PROBS].cpu() - log_probs).abs().max())
     assert err < 1e-4, (rank, err)
     torch.distributed.barrier()
 
