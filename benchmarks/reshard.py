@@ -170,8 +170,8 @@ def main() -> None:
         time_ms = max(statistics.median(r["times"]) for r in per_rank) * 1e3
         min_ms = max(min(r["times"]) for r in per_rank) * 1e3
         M = row["model_bytes"]
-        recv = max(r["bytes_received"] for r in per_rank) / M
-        peak = max(r["peak_weight_bytes"] for r in per_rank) / M
+        recv = max(r["received_bytes"] for r in per_rank) / M
+        peak = max(r["peak_bytes"] for r in per_rank) / M
         if row["mode"] == "zero_redundancy":
             recv_f, peak_f = (t * p - tg * pg) / (tg * pg * t * p), 1 / (tg * pg)
         else:

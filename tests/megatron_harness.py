@@ -103,3 +103,22 @@ def pg_loss(mb: TensorDict, out: dict) -> tuple[torch.Tensor, dict]:
     per_token = -(out["log_probs"] * adv) - 0.01 * out["entropy"]
     loss = (per_token * mask).sum() / out["num_global_tokens"]
     return loss, {"pg": float((per_token.detach() * mask).sum() / mask.sum().clamp(min=1))}
+
+
+def stage_bytes(model, pp: int) -> list[tuple[int, int]]:
+    """(TP-split bytes, replicated bytes) of each pipeline stage of an HF Qwen2 as megatron holds
+    it: the (tied) embedding on stage 0, layer i on stage i // (layers / pp), the final norm on
+    the last stage; norms are replicated on every TP rank, every other tensor is TP-split.
+    Vocabulary rows as the model has them (pass one padded as megatron pads it)."""
+    per_stage = model.config.num_hidden_layers // pp
+    split, replicated = [0] * pp, [0] * pp
+    for name, param in model.named_parameters():  # a tied head is the embedding (listed once)
+        if name.startswith("model.layers."):
+            stage = int(name.split(".")[2]) // per_stage
+        else:
+            stage = 0 if "embed_tokens" in name else pp - 1
+        if name.endswith("norm.weight"):
+            replicated[stage] += param.numel() * param.element_size()
+        else:
+            split[stage] += param.numel() * param.element_size()
+    return list(zip(split, replicated))

@@ -62,6 +62,9 @@ EXEMPT = {
         "tests/test_vllm.py runs grpo.yaml with exactly this override"
     ),
     r"^hybridflow run graphs/grpo_megatron\.yaml$": "tests/test_megatron_grpo.py runs grpo_megatron.yaml",
+    r"^hybridflow run graphs/grpo_megatron_tg2\.yaml$": (
+        "tests/test_megatron_grpo.py runs grpo_megatron_tg2.yaml (shrunk) and checks its reshard/* bytes"
+    ),
     r"^hybridflow run graphs/grpo_tool\.yaml --run-dir runs/tool$": (
         "tests/test_envs.py runs grpo_tool.yaml shrunk and checks its tool metrics"
     ),
@@ -89,7 +92,7 @@ COVERED_BY = {
     "tests/test_algorithms_learn.py": ['["grpo", "ppo", "remax", "rloo", "safe_rlhf"]', "run_default("],
     "tests/test_resume_layouts.py": ['"resource_pools/one_cpu.yaml"', '"--resume"', 'main(["run", "graphs/grpo.yaml"'],
     "tests/test_vllm.py": ['"models.actor.rollout.engine=vllm"', "GRPO = "],
-    "tests/test_megatron_grpo.py": ['"grpo_megatron.yaml"', ".fit()"],
+    "tests/test_megatron_grpo.py": ['"grpo_megatron.yaml"', '"grpo_megatron_tg2.yaml"', ".fit()"],
     "tests/test_loggers.py": ["def test_tensorboard_writes_scalars"],
     "tests/test_smollm2.py": ['main(["eval", GRAPH', 'main(["plot"'],
     "tests/test_lora.py": ['main(["run", "graphs/grpo_smollm2_lora.yaml"', 'main(["eval", "graphs/grpo_smollm2_lora.yaml"'],

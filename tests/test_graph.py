@@ -222,3 +222,27 @@ def test_generation_tp_runs_on_vllm_over_the_training_tp_group(tmp_path):
             ["models.actor.rollout.engine=vllm", "models.actor.rollout.layout.tp=2", "models.actor.train.layout.tp=4"],
             pools_file=pools,
         )
+
+
+def test_generation_tp_2_under_training_tp_2_pp_2_is_accepted():
+    """graphs/grpo_megatron_tg2.yaml (t = 2 x p = 2 -> tg = 2, pg = 1 on four ranks): the
+    generation TP groups are the training TP groups of each stage, consecutive ranks as vLLM's
+    external launcher forms them, and the generate node's chunks follow them; the micro-DP
+    groups span the two stages. Generation pp > 1 is still refused, naming the field."""
+    from hybridflow.hybrid_engine.groups import generation_tp_groups, micro_dp_groups
+    from hybridflow.spec.layout import GenerationLayout
+
+    tg2 = ROOT / "graphs" / "grpo_megatron_tg2.yaml"
+    graph = load_graph(tg2)
+    train = graph.layouts["actor"]
+    assert (train.tp, train.pp, train.dp) == (2, 2, 1)
+    gen = GenerationLayout(train=train, tp=2, pp=1)
+    assert generation_tp_groups(gen) == [[0, 1], [2, 3]]
+    assert micro_dp_groups(gen) == [[0, 2], [1, 3]]
+    dispatch = graph.dispatch_layout(next(n for n in graph.nodes if n.name == "generate"))
+    # one prompt chunk per generation replica, shared by that replica's TP group
+    assert [[r for r in range(4) if dispatch.coords(r).dp_rank == d] for d in range(dispatch.dp)] == [[0, 1], [2, 3]]
+    with pytest.raises(SpecError, match=r"models.actor.rollout.layout.pp: generation pp 2 is not available"):
+        load_graph(tg2, ["models.actor.rollout.layout.pp=2"])
+    with pytest.raises(SpecError, match=r"models.actor.rollout.layout.tp: generation tp 2 must equal the training tp 4"):
+        load_graph(tg2, ["models.actor.train.layout={tp: 4, pp: 1}"])

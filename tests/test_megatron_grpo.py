@@ -59,8 +59,8 @@ def test_grpo_megatron_tp2_trains_and_syncs(ray_session, tmp_path):
         assert 0 < replicated < 0.01 * model
         assert shard == (model - replicated) / 2 + replicated
         assert row["reshard/packed_bytes"] == 0
-        assert row["reshard/bytes_received"] == shard
-        assert row["reshard/peak_weight_bytes"] == 2 * shard
+        assert row["reshard/received_bytes"] == shard
+        assert row["reshard/peak_bytes"] == 2 * shard
         assert row["reshard/weight_bytes_after_release"] == shard
         assert 0.9 * model < row["reshard/rollout_copy_bytes"] <= model  # vocab not padded
     assert rows[-1]["actor/kl"] > 0.0
@@ -97,24 +97,55 @@ def test_grpo_megatron_with_vllm_rollout(ray_session, tmp_path):
     assert rows[-1]["actor/kl"] > 0.0
 
 
-def test_grpo_megatron_with_vllm_tp2_rollout(ray_session, tmp_path):
-    """Generation at tg = 2 (issue 19): each rank's vLLM (external launcher over the two ranks)
-    takes only its generation shard, which at t = tg is its own training shard (the micro-DP
-    group is one rank: nothing moves); vLLM's copy is that partition."""
+def test_grpo_megatron_tg2_graph_reshards_as_table_2(ray_session, tmp_path):
+    """graphs/grpo_megatron_tg2.yaml (issue 19): megatron t = 2 x p = 2 on four ranks, vLLM at
+    tg = 2, pg = 1 over each stage's TP pair. Every iteration, per rank and max over ranks:
+
+    - The paper's Table 2 for t*p -> tg*pg (HybridFlow): received (t*p - tg*pg) / (tg*pg*t*p) * M
+      = (4 - 2) / (2 * 4) * M = M/4, peak M / (tg*pg) = M/2, for a model whose every tensor is
+      TP-split into stages of equal size.
+    - Here each rank all-gathers in its micro-DP group ({0, 2} or {1, 3}) the other stage's
+      training shard of its TP half: a stage-s rank receives S_{1-s}/t + R_{1-s} (S: the stage's
+      TP-split bytes, R: its replicated norms, whole on every TP rank) and then holds both stages
+      of its half: peak (M - R)/2 + R = M/2 + R/2. The embedding sits on stage 0 only, so the
+      max received is stage 0's shard = M/4 + R/4 + (shard_0 - shard_1)/2.
+    - Norms never arrive twice (the two members hold different stages), vLLM's copy is its tg = 2
+      partition (M/2 + R/2), and rollout log-probs equal the training forward's (< 1e-4) after
+      every update. The greedy-token equivalence with HF on the same resharded weights is
+      tests/test_vllm_tp.py::test_vllm_tp2_fed_by_megatron_tp2_pp2_resharder.
+    """
     pytest.importorskip("vllm")
     from hybridflow.controller.trainer import Trainer
+    from hybridflow.data.tasks import get_task
+    from hybridflow.engines.models import build_causal_lm
+    from megatron_harness import stage_bytes
 
     overrides = [
         "trainer.iterations=3", "trainer.val_interval=0", "trainer.progress=false",
-        "trainer.save_final=false", "models.actor.rollout.engine=vllm", "models.actor.rollout.layout.tp=2",
+        "trainer.save_final=false", "data.prompts_per_iteration=4", "models.actor.rollout.n=4",
     ]
-    Trainer(load_graph(ROOT / "graphs" / "grpo_megatron.yaml", overrides), run_dir=str(tmp_path)).fit()
+    graph = load_graph(ROOT / "graphs" / "grpo_megatron_tg2.yaml", overrides)
+    Trainer(graph, run_dir=str(tmp_path)).fit()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
+
+    # M from the model itself: the vocabulary padded to 64 rows as megatron (and vLLM) pad it
+    tokenizer = get_task("copy").tokenizer()
+    padded = math.ceil(len(tokenizer) / 64) * 64
+    model = build_causal_lm(graph.spec.models["actor"].source, padded, tokenizer.pad_token_id,
+                            tokenizer.eos_token_id, seed=0)
+    t, p = 2, 2
+    stages = stage_bytes(model, p)
+    shards = [split // t + replicated for split, replicated in stages]
+    M = sum(split + replicated for split, replicated in stages)
+    R = sum(replicated for _, replicated in stages)
+    assert 0 < R < 0.01 * M and shards[0] > shards[1]
     for row in rows:
+        assert row["reshard/model_bytes"] == M
+        assert row["reshard/received_bytes"] == shards[0] == M / 4 + R / 4 + (shards[0] - shards[1]) / 2
+        assert row["reshard/peak_bytes"] == M / 2 + R / 2
+        assert row["reshard/redundant_bytes_received"] == 0
+        assert row["reshard/weight_bytes_after_release"] == shards[0]
+        assert row["reshard/rollout_copy_bytes"] == row["weight_sync/bytes"] == M / 2 + R / 2
         assert row["actor/rollout_log_prob_diff_max"] < 1e-4
-        model, shard = row["reshard/model_bytes"], row["reshard/train_shard_bytes"]
-        assert row["reshard/bytes_received"] == 0  # micro-DP group of one rank
-        assert row["weight_sync/bytes"] == shard < 0.6 * model  # half the model + the norms
-        assert row["reshard/rollout_copy_bytes"] == shard  # vLLM's partition (padding included)
     assert rows[-1]["actor/kl"] > 0.0

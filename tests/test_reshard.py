@@ -226,7 +226,7 @@ def _check_table2(world: int, results: dict[int, list[dict]]) -> None:
             if mode.endswith("/packed"):
                 # the caller's tensors plus the packed copy, which is then the generation shard's
                 assert row["packed_bytes"] == row["train_shard_bytes"], where
-                assert row["peak_weight_bytes"] == Fraction(M, tg * pg) + row["train_shard_bytes"], where
+                assert row["peak_bytes"] == Fraction(M, tg * pg) + row["train_shard_bytes"], where
                 continue
             assert row["packed_bytes"] == 0, where
             if norms:
@@ -239,9 +239,9 @@ def _check_table2(world: int, results: dict[int, list[dict]]) -> None:
             else:
                 comm = Fraction(t * p - 1, t * p) * M
                 peak = M
-            assert row["bytes_received"] == comm, where
-            assert row["bytes_sent"] == comm, where
-            assert row["peak_weight_bytes"] == peak, where
+            assert row["received_bytes"] == comm, where
+            assert row["sent_bytes"] == comm, where
+            assert row["peak_bytes"] == peak, where
             assert row["redundant_bytes_received"] == 0, where
 
 

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm (the .[vllm] extra) is not installed")
 
-from megatron_harness import init_dist, spawn, tiny_hf  # noqa: E402
+from megatron_harness import init_dist, spawn, stage_bytes, tiny_hf  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 from hybridflow.data import keys as K  # noqa: E402
@@ -134,12 +134,23 @@ def test_vocab_shard_must_be_the_partition():
         _load_vocab_rows(param, torch.ones(50, 8))  # vocab 100 at tg 2: vLLM pads to 128
 
 
-def _megatron_rank(rank: int, world: int, port: int) -> None:
-    """Megatron t = 2 trains model B; vLLM tg = 2 starts from model A and takes B through the
-    resharder (``ReshardedSync``: the megatron engine's own ``to_hf`` of the generation shard)."""
+def _megatron_rank(rank: int, world: int, port: int, pp: int, backend: str = "gloo") -> None:
+    """Megatron t = 2 (x p = ``pp``) trains model B; vLLM tg = 2 (pg = 1) starts from model A on
+    each pair of consecutive ranks and takes B through the resharder (``ReshardedSync``: the
+    micro-DP all-gather, then the megatron engine's own ``to_hf`` of the generation shard).
+
+    At p = 1 the micro-DP group is one rank: nothing moves. At t = 2 x p = 2 (four ranks) the
+    generation TP groups are {0, 1} and {2, 3} and the micro-DP groups {0, 2} and {1, 3}: each
+    rank receives the other stage's layers of its TP half. The paper's Table 2 for t*p -> tg*pg
+    gives received (t*p - tg*pg) / (tg*pg*t*p) * M = M/4 and peak M / (tg*pg) = M/2 for a model
+    whose every tensor is TP-split into equal stages. Here the norms (R bytes) are replicated and
+    the embedding makes stage 0 larger, so a rank of stage s receives stage 1-s's shard,
+    S_{1-s}/2 + R_{1-s} (S: its split bytes), and holds both at its peak:
+    (M - R)/2 + R = M/2 + R/2. Logged as the max over ranks. On ``backend="nccl"`` (one CUDA
+    device per rank, ``tests/gpu``) the same checks; the HF reference stays on the CPU."""
     import copy
 
-    init_dist(rank, world, port)
+    init_dist(rank, world, port, backend)
     from hybridflow.engines.base import SamplingParams
     from hybridflow.engines.megatron import MegatronTrainEngine
     from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, save_for_vllm
@@ -149,31 +160,42 @@ def _megatron_rank(rank: int, world: int, port: int) -> None:
 
     config = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=2, num_key_value_heads=2)
     model_a, model_b = tiny_hf(seed=0, **config), tiny_hf(seed=1, **config)
-    train = ParallelLayout(tp=TG, pp=1).resolve(world)
+    train = ParallelLayout(tp=TG, pp=pp).resolve(world)
     engine = MegatronTrainEngine(
         copy.deepcopy(model_b), TrainEngineSpec(engine="megatron", layout=train, micro_batch_size=2)
     )
     sync = ReshardedSync(engine.train_shard(), tp=TG)
     model_dir = save_for_vllm(model_a, None, tempfile.mkdtemp(prefix="vllm-tp-"))
+    pair = [rank - rank % TG + i for i in range(TG)]
     rollout = VLLMRolloutEngine(
         model_dir, eos_id=1, pad_id=0, max_model_len=32, seed=0, kv_cache_bytes=16 << 20,
-        tensor_parallel_size=TG, tp_ranks=[0, 1],
+        tensor_parallel_size=TG, tp_ranks=pair,
     )
     metrics = sync(rollout)
-    state = [(n, t) for n, t in model_b.state_dict().items() if n != "lm_head.weight"]
-    sharded = sum(t.numel() * 4 for n, t in state if any(k in n for k in ROWS) or n.endswith(COLUMNS))
-    want_bytes = sharded // TG + sum(t.numel() * 4 for _, t in state) - sharded
-    assert metrics["weight_sync/bytes"] == want_bytes, (metrics, want_bytes)
-    assert metrics["reshard/rollout_copy_bytes"] == want_bytes, metrics
+    stages = stage_bytes(model_b, pp)
+    shards = [split // TG + replicated for split, replicated in stages]
+    M = sum(split + replicated for split, replicated in stages)
+    R = sum(replicated for _, replicated in stages)
+    assert metrics["reshard/model_bytes"] == M, metrics
+    assert metrics["reshard/train_shard_bytes"] == max(shards), metrics
+    if pp == 1:
+        assert metrics["reshard/received_bytes"] == 0, metrics
+    else:  # the larger stage's shard, which the other stage's ranks receive
+        assert shards[0] != shards[1] and metrics["reshard/received_bytes"] == max(shards), (metrics, shards)
+    assert metrics["reshard/peak_bytes"] == M // 2 + R // 2, (metrics, M, R)
+    assert metrics["reshard/redundant_bytes_received"] == 0, metrics
+    # vLLM's own copy, and what it took: the whole model split tg ways, norms whole
+    assert metrics["weight_sync/bytes"] == metrics["reshard/rollout_copy_bytes"] == M // 2 + R // 2, metrics
 
     ids = torch.randint(2, VOCAB, (3, 5), generator=torch.Generator().manual_seed(7))
     prompts = TensorDict(
         {K.PROMPT_IDS: ids, K.PROMPT_MASK: torch.ones_like(ids), K.UID: torch.arange(3)}, batch_size=[3]
     )
     out = rollout.generate(prompts, SamplingParams(n=1, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, greedy=True))
-    greedy, log_probs = hf_reference(model_b, ids, out[K.RESPONSES])
-    assert torch.equal(out[K.RESPONSES], greedy), (rank, out[K.RESPONSES], greedy)
-    err = float((out[K.ROLLOUT_LOG_PROBS] - log_probs).abs().max())
+    responses = out[K.RESPONSES].cpu()
+    greedy, log_probs = hf_reference(model_b, ids, responses)
+    assert torch.equal(responses, greedy), (rank, responses, greedy)
+    err = float((out[K.ROLLOUT_LOG_PROBS].cpu() - log_probs).abs().max())
     assert err < 1e-4, (rank, err)
     torch.distributed.barrier()
 
@@ -181,4 +203,11 @@ def _megatron_rank(rank: int, world: int, port: int) -> None:
 @pytest.mark.slow
 def test_vllm_tp2_fed_by_megatron_resharder():
     pytest.importorskip("megatron.core")
-    spawn(_megatron_rank, TG)
+    spawn(_megatron_rank, TG, 1)
+
+
+@pytest.mark.slow
+def test_vllm_tp2_fed_by_megatron_tp2_pp2_resharder():
+    """Four ranks, t = 2 x p = 2 -> tg = 2: the micro-DP all-gather spans the stages (Table 2)."""
+    pytest.importorskip("megatron.core")
+    spawn(_megatron_rank, 2 * TG, 2)

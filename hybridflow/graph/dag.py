@@ -380,8 +380,12 @@ def _resolve_placement(
 
 
 def _check_generation_layout(rollout, train: ParallelLayout, file: str, field: str) -> None:
-    """Generation TP > 1 runs on vLLM only, at pp = 1, over ranks vLLM's external launcher
-    groups itself: consecutive ones, i.e. generation tp == training tp (stride 1)."""
+    """Generation TP > 1 runs on vLLM only, at generation pp = 1, over ranks vLLM's external
+    launcher groups itself: ``tg`` consecutive ones. Training ranks are TP-fastest, and a
+    generation TP group takes training TP ranks at stride t/tg (``hybrid_engine.groups``), so
+    the groups are consecutive exactly when tg == t, whatever the training pp and dp: at
+    t = 2 x p = 2 -> tg = 2 they are each stage's TP group, {0, 1} and {2, 3}, and the micro-DP
+    groups ({0, 2}, {1, 3}) span the stages."""
     gen = rollout.layout
     if gen.tp * gen.pp == 1:
         return

@@ -19,8 +19,10 @@ A tg-way generation model needs process groups over ``generation_tp_groups`` (an
 megatron's ``initialize_model_parallel(tensor_model_parallel_size=tg, order="dp-tp-pp")`` (DP
 fastest; ``tests/test_reshard_megatron.py``); in general a rollout engine builds them from these
 lists. vLLM's external launcher (vLLM 0.32) does not take groups: it forms its TP groups from
-*consecutive* torch ranks, which are these groups only at stride ``t/tg`` = 1 (pp = 1); the vLLM
-engine refuses any other group (``engines.vllm_rollout.check_tp_group``).
+*consecutive* torch ranks, which are these groups only at stride ``t/tg`` = 1, at any training
+pp and dp (t = 2 x p = 2 -> tg = 2: {0, 1} and {2, 3}, with micro-DP groups {0, 2} and {1, 3}
+across the stages; ``graphs/grpo_megatron_tg2.yaml``); the vLLM engine refuses any other group
+(``engines.vllm_rollout.check_tp_group``).
 """
 
 from __future__ import annotations

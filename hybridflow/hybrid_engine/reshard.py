@@ -67,24 +67,24 @@ class CommMeter:
     """Runs collectives and counts, on this rank, the tensor bytes each one sent and received."""
 
     def __init__(self) -> None:
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self.sent_bytes = 0
+        self.received_bytes = 0
         self.num_collectives = 0
 
     def all_gather(self, outputs: list[Tensor], own: int, group: dist.ProcessGroup) -> None:
         """``outputs[own]`` is this rank's input (filled in place, never copied by us)."""
         dist.all_gather(outputs, outputs[own], group=group)
         self.num_collectives += 1
-        self.bytes_sent += _nbytes(outputs[own]) * (len(outputs) - 1)
-        self.bytes_received += sum(_nbytes(o) for i, o in enumerate(outputs) if i != own)
+        self.sent_bytes += _nbytes(outputs[own]) * (len(outputs) - 1)
+        self.received_bytes += sum(_nbytes(o) for i, o in enumerate(outputs) if i != own)
 
     def broadcast(self, tensor: Tensor, src: int, is_src: bool, group_size: int, group) -> None:
         dist.broadcast(tensor, src=src, group=group)
         self.num_collectives += 1
         if is_src:
-            self.bytes_sent += _nbytes(tensor) * (group_size - 1)
+            self.sent_bytes += _nbytes(tensor) * (group_size - 1)
         else:
-            self.bytes_received += _nbytes(tensor)
+            self.received_bytes += _nbytes(tensor)
 
     def all_gather_v(self, outputs: list[Tensor], own: int, ranks: Sequence[int], group) -> None:
         """All-gather of possibly unequal pieces: one all-gather when sizes agree, else one
@@ -133,10 +133,10 @@ class ReshardStats:
     rank: int
     model_bytes: int  # M: the full model under these specs
     train_shard_bytes: int  # this rank's training shard
-    bytes_sent: int = 0
-    bytes_received: int = 0
+    sent_bytes: int = 0
+    received_bytes: int = 0
     redundant_bytes_received: int = 0  # copies of replicated parameters this rank already had
-    peak_weight_bytes: int = 0  # max live actor-weight bytes during the transition
+    peak_bytes: int = 0  # max live actor-weight bytes during the transition (own shard included)
     packed_bytes: int = 0  # copy made because the shards were not in a TrainShardBuffer
     num_collectives: int = 0
     seconds: float = 0.0
@@ -382,9 +382,9 @@ def reshard_to_generation(
     pieces, redundant = _generation_pieces(by_micro_rank, specs, gen_layout, rank)
     del by_micro_rank
     meter.sample()
-    stats.bytes_sent, stats.bytes_received = comm.bytes_sent, comm.bytes_received
+    stats.sent_bytes, stats.received_bytes = comm.sent_bytes, comm.received_bytes
     stats.num_collectives = comm.num_collectives
     stats.redundant_bytes_received = redundant
-    stats.peak_weight_bytes = meter.peak_bytes
+    stats.peak_bytes = meter.peak_bytes
     stats.seconds = time.perf_counter() - start
     return GenerationShards(pieces, {s.name: s for s in specs}, stats, meter, received), stats

@@ -14,7 +14,10 @@ Three cases, chosen by the train engine (``weight_sync``):
   training shard (``TrainEngine.train_shard``: megatron-core, TP x PP). Each iteration the resharder gathers the generation
   shard from the micro-DP group (zero-redundancy path, or the naive one), the rollout engine
   takes it under HF names one tensor at a time, and the received buffers are dropped before
-  training resumes. The measured bytes and peak memory go into the iteration's metrics.
+  training resumes. The measured bytes and peak memory go into the iteration's metrics, each the
+  maximum over the model-parallel ranks (the worst rank: ranks of different pipeline stages hold
+  and receive different amounts): ``reshard/received_bytes``, ``reshard/peak_bytes``,
+  ``reshard/model_bytes`` (M), and vLLM's own copy, ``reshard/rollout_copy_bytes``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import time
 from collections.abc import Callable, Iterator
 from functools import partial
 
+import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from hybridflow.engines.base import RolloutEngine, TrainEngine, TrainShard
@@ -105,8 +110,20 @@ class ReshardedSync:
         rollout_bytes = rollout.weight_bytes()
         if rollout_bytes is not None:
             metrics["reshard/rollout_copy_bytes"] = float(rollout_bytes)
+        metrics = _max_over_ranks(metrics, self.groups.model_parallel_group, self.shard.buffer.flat.device)
         metrics["timing/weight_sync"] = time.perf_counter() - start
         return metrics
+
+
+def _max_over_ranks(metrics: dict[str, float], group, device) -> dict[str, float]:
+    """Every metric's maximum over ``group`` (collective; None: this rank alone). The
+    controller logs one rank's metrics, and per-rank bytes differ between pipeline stages."""
+    if group is None:
+        return metrics
+    names = sorted(metrics)
+    values = torch.tensor([metrics[n] for n in names], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(names, values.tolist()))
 
 
 def _counting_copies(weights: Iterator[tuple[str, Tensor]], shards, stats) -> Iterator[tuple[str, Tensor]]:
