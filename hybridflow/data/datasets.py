@@ -19,7 +19,8 @@ A row is ``{"prompt", "ground_truth", "data_source", "extra_info", "origin"}``; 
 ``FILE:LINE`` (JSONL) or ``FILE:row N`` (parquet, 0-based) for error messages. A prompt given
 as chat messages is rendered with the tokenizer's chat template (``add_generation_prompt``; a
 ``system_prompt`` is put first when the messages have no system message); a string prompt is
-tokenized as it is, or, with a ``system_prompt`` and a chat template, is the user's message. The rendered ids are exactly what the rollout starts from.
+tokenized as it is (with a ``system_prompt`` and a chat template, it is the user's message).
+The rendered ids are exactly what the rollout starts from.
 
 A batch is a ``TensorDict`` with batch size ``[B]`` holding the ``prompts`` fields of
 ``hybridflow.data.keys``::
