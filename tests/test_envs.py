@@ -20,6 +20,7 @@ def test_calc_evaluates_arithmetic_only():
     assert calc("123*456") == "56088"
     assert calc("(1 + 2) * -3 // 2") == "-5"
     assert calc("7/2") == "3.5" and calc("8/2") == "4"
+    assert calc("07*05") == "35" and calc("10.05+100") == "110.05" and calc("00") == "0"
     for bad in ("__import__('os').system('true')", "x", "2**1000000", "1/0", "1+", "9" * 300):
         with pytest.raises(ToolError):
             calc(bad)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -33,12 +34,15 @@ _BINARY = {
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 MAX_EXPONENT = 64  # 10**10**10 would hang the step
 MAX_EXPRESSION_CHARS = 200
+LEADING_ZEROS = re.compile(r"(?<![\d.\w])0+(?=\d)")
 
 
 def calc(expression: str) -> str:
     """The value of an arithmetic ``expression``; ``ToolError`` for anything else."""
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ToolError("error: expression too long")
+    # A calculator reads "07" as 7; Python's grammar refuses leading zeros (not after a "." or a digit).
+    expression = LEADING_ZEROS.sub("", expression)
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError:
