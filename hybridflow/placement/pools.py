@@ -155,11 +155,21 @@ class ResourcePool:
     def free_address(self, rank: int = 0, timeout_s: float = 60.0) -> tuple[str, int]:
         """The IP of rank ``rank``'s node and a TCP port free there now (for a rendezvous).
 
-        Probed by a zero-CPU task in the rank's bundle. The port is released before it is
-        returned, so another process could take it first; a failed rendezvous says so.
+        On the driver's own node (every single-node run) the driver binds the port itself; on
+        another node a zero-CPU task in the rank's bundle probes it. The port is released before
+        it is returned, so another process could take it first; a failed rendezvous says so.
         """
+        if self.node_of(rank) == ray.get_runtime_context().get_node_id():
+            return _ip_and_free_port()
         probe = _node_ip_and_free_port.options(scheduling_strategy=self.scheduling_strategy(rank))
-        return tuple(ray.get(probe.remote(), timeout=timeout_s))
+        try:
+            return tuple(ray.get(probe.remote(), timeout=timeout_s))
+        except ray.exceptions.GetTimeoutError:
+            raise PoolUnavailableError(
+                f"resource pool {self.name!r}: the address probe on rank {rank}'s node "
+                f"{self.node_of(rank)} did not run within {timeout_s:g} s (Ray could not start "
+                f"a worker process there)"
+            ) from None
 
     def remove(self) -> None:
         """Release the bundles; workers still placed on them are killed by Ray."""
@@ -193,10 +203,12 @@ class ResourcePool:
         return f"ResourcePool({self.name!r}, {self.spec.num_devices} x {self.spec.device}, {state})"
 
 
-# Lives here, not beside the workers, so the probe's process does not import torch.
-@ray.remote(num_cpus=0)
-def _node_ip_and_free_port() -> tuple[str, int]:
+def _ip_and_free_port() -> tuple[str, int]:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         port = sock.getsockname()[1]
     return ray.util.get_node_ip_address(), port
+
+
+# Lives here, not beside the workers, so the probe's process does not import torch.
+_node_ip_and_free_port = ray.remote(num_cpus=0)(_ip_and_free_port)
