@@ -4,10 +4,10 @@ One full default run per graph file (``graphs/<name>.yaml``, no override but the
 and the progress bar): the mean reward of the last 10 iterations must beat the first 10 by at
 least 0.2. GRPO (the showcase run) must also learn to stop: at most 10% of its responses
 truncated over the last 10 iterations, with the reward up by at least 0.3. PPO: the critic's explained variance over the last 10 iterations is positive and
-above the first 10's. Safe-RLHF: the mean cost starts above its threshold and ends at it (below
-the threshold plus two standard errors of the last 10 iterations' mean: the Lagrangian's
-equilibrium is cost = threshold), and the Lagrange multiplier rises while the cost is above the
-threshold.
+above the first 10's. Safe-RLHF: the mean cost starts above its threshold and ends at it (the
+second half's mean below the threshold plus two batch-means standard errors: the Lagrangian's
+equilibrium is a time-average cost = threshold), and the Lagrange multiplier rises while the cost
+is above the threshold.
 
 These are the slowest tests of the suite (one to two minutes each on an idle 2-core machine).
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from statistics import mean
+from statistics import mean, stdev
 
 import pytest
 
@@ -61,14 +61,18 @@ def test_default_run_learns(ray_session, tmp_path, name):
     if name == "safe_rlhf":
         safety = load_graph(ROOT / "graphs" / "safe_rlhf.yaml").node("update_actor").spec.options.safety
         threshold = safety.cost_threshold
-        cost_first, cost_last = first_last(rows, "cost/mean")
-        # Dual ascent settles the mean cost *at* the threshold, not below it: the last 10
-        # iterations' mean may sit above d by sampling noise only. The cost is 0/1 per sample,
-        # so two standard errors of a mean over those iterations' samples at p = d bound it.
-        spec = load_graph(ROOT / "graphs" / "safe_rlhf.yaml").spec
-        samples = 10 * spec.data.prompts_per_iteration * spec.models["actor"].rollout.n
-        noise = 2 * math.sqrt(threshold * (1 - threshold) / samples)
-        assert cost_first > threshold + noise and cost_last < threshold + noise, (cost_first, threshold, noise, cost_last)
+        costs = [r["cost/mean"] for r in rows]
+        # Dual ascent settles the *time-average* cost at the threshold d, oscillating about it
+        # (lambda rises while the cost is above d, then falls to 0 and lets it rise again), so
+        # successive iterations are correlated: 10-iteration means of one run range 0.04-0.12 at
+        # d = 0.1. The check is on the second half of the run, with the standard error taken from
+        # its 10-iteration batch means, which carry that correlation.
+        second = costs[len(costs) // 2:]
+        chunks = [mean(second[i:i + 10]) for i in range(0, len(second) - 9, 10)]
+        noise = 2 * stdev(chunks) / math.sqrt(len(chunks))
+        cost_first = mean(costs[:10])
+        assert cost_first > threshold + noise and mean(second) < threshold + noise, (
+            cost_first, threshold, noise, mean(second))
         # lambda is stepped on each batch's own mean cost: it rises exactly when that is above d.
         lambdas = [r["safety/lambda"] for r in rows]
         for prev, row in zip([None, *lambdas], rows):
