@@ -432,3 +432,22 @@ def test_bad_environment_is_one_line_before_the_run(override, field, words):
         check_environments(graph, TASKS["product"].tokenizer())
     message = str(info.value)
     assert "grpo_tool.yaml" in message and field in message and words in message and "\n" not in message
+
+
+def test_vllm_turn_ends_at_the_token_that_completes_a_stop_string(chat_tokenizer):
+    """vLLM runs without a tokenizer, so a multi-token stop string is found after the turn: the
+    turn keeps exactly the tokens up to the one that completes the first stop string."""
+    from types import SimpleNamespace
+
+    from hybridflow.engines.vllm_rollout import VLLMRolloutEngine
+
+    tok = chat_tokenizer
+    engine = SimpleNamespace(tokenizer=tok)
+    text = "a<calc>12*34</calc>b</calc>c"
+    ids = tok.encode(text, add_special_tokens=False)
+    stop_end = VLLMRolloutEngine._stop_end
+    for stop, want in ((["</calc>"], "a<calc>12*34</calc>"), (["*3", "</calc>"], "a<calc>12*3"),
+                       (["c"], "a<c"), (["a"], "a")):
+        end = stop_end(engine, ids, stop)
+        assert tok.decode(ids[:end]) == want, stop
+    assert stop_end(engine, ids, ["</tool_call>"]) is None and stop_end(engine, ids, []) is None

@@ -507,10 +507,25 @@ class VLLMRolloutEngine(RolloutEngine):
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _stop_end(self, ids: list[int], stop: list[str]) -> int | None:
-        """How many tokens of ``ids`` reach the first stop string (None: no stop string)."""
-        if not stop or not any(s in self.tokenizer.decode(ids) for s in stop):
+        """How many tokens of ``ids`` reach the first stop string (None: no stop string).
+
+        Bisected: a prefix that holds a stop string is held by every longer prefix, so the
+        shortest one takes log2(len) decodes, not one per token."""
+
+        def reached(k: int) -> bool:
+            text = self.tokenizer.decode(ids[:k])
+            return any(s in text for s in stop)
+
+        if not stop or not reached(len(ids)):
             return None
-        return next(k for k in range(1, len(ids) + 1) if any(s in self.tokenizer.decode(ids[:k]) for s in stop))
+        low, high = 1, len(ids)
+        while low < high:
+            mid = (low + high) // 2
+            if reached(mid):
+                high = mid
+            else:
+                low = mid + 1
+        return low
 
     def _tp_rng(self):
         """At tg > 1 every rank of the TP group samples on its own (CPU sampling draws from
