@@ -89,7 +89,7 @@ def test_characters_a_pretrained_tokenizer_lacks_are_a_counted_warning(caplog):
     with caplog.at_level("WARNING"):
         rendered = encode_prompts(rows, tokenizer, max_prompt_length=8)
     assert [ids for _, ids in rendered] == [[1, 2, 3], [1, 0, 3], [2, 0, 3]]
-    assert [r.getMessage() for r in caplog.records] == [
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("hybridflow")] == [
         "2 of 3 prompts hold characters the tokenizer encodes as <unk> (first: f.jsonl:2)"
     ]
 

@@ -215,7 +215,7 @@ def test_damaged_checkpoints_are_skipped_newest_first(tmp_path, caplog):
     (second / "models" / "actor" / "data.distcp").unlink()
     with caplog.at_level(logging.WARNING):
         assert latest_intact_checkpoint(tmp_path) == first
-    assert [r.getMessage() for r in caplog.records] == [
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("hybridflow")] == [
         f"skipping damaged checkpoint {fourth}: models/actor/data.distcp does not match its checksum",
         f"skipping damaged checkpoint {third}: controller.pt has 100 bytes, 200 were written",
         f"skipping damaged checkpoint {second}: models/actor/data.distcp is missing",
