@@ -113,7 +113,7 @@ def _predict_output(
 
 def _submit(graph: Graph, node: Node, groups: dict[str, WorkerGroup], inputs: list[tuple[ShardedRef, int]]) -> _Pending:
     """Submit ``node`` on its group with its producers' outputs (and their group sizes)."""
-    group = groups[graph.placement[node.model]]
+    group = groups[graph.pool_of(node)]
     group_size = max(size for _, size in inputs)
     data = [sharded for sharded, _ in inputs]
     layout = graph.dispatch_layout(node)
@@ -274,7 +274,7 @@ def _run(
         for node in list(remaining):
             if serial and pending:
                 break
-            group = groups[graph.placement[node.model]]
+            group = groups[graph.pool_of(node)]
             inputs = [input_of(src, group) for src in producers_of(node)]
             if any(item is None for item in inputs):
                 continue
@@ -310,7 +310,7 @@ def _run(
         result.metrics[f"timing/{node.name}"] = end - start
         for rank, meta in enumerate(rank_metas[node.name]):
             result.timeline.append(
-                {"node": node.name, "pool": graph.placement[node.model],
+                {"node": node.name, "pool": graph.pool_of(node),
                  "rank": meta.get("rank", rank), "start": meta["t_start"], "end": meta["t_end"],
                  **{key: meta.get(key, 0) for key in TRANSFER_METRICS}}
             )

@@ -52,6 +52,7 @@ from hybridflow.hybrid_engine.consistency import RolloutMismatchError
 from hybridflow.placement.pools import ResourcePool, start_ray
 from hybridflow.rewards.rule import RewardError
 from hybridflow.spec.loading import SpecError
+from hybridflow.workers.accounting import controller_get
 from hybridflow.workers.group import WorkerGroup
 from hybridflow.workers.model_worker import ModelWorker
 from hybridflow.workers.sharded import ShardedRef
@@ -186,6 +187,7 @@ class Trainer:
             trace_file.parent.mkdir(exist_ok=True)
             trace_file.write_text(json.dumps(chrome_trace(result.timeline, iteration)))
         metrics = {"iteration": iteration, **result.metrics}
+        metrics.update(self._sync_standalone_rollouts())
         metrics["timing/iteration"] = time.perf_counter() - t0
         tokens = metrics.get("rollout/num_tokens", 0.0)
         metrics["throughput/tokens_per_s"] = tokens / metrics["timing/iteration"]
@@ -217,8 +219,10 @@ class Trainer:
                 spec.data.seed,
                 system_prompt=spec.data.system_prompt,
             )
-            actor_ranks = self.graph.pools[self.graph.placement[self.graph.actor]].num_devices
-            val_rows = val_rows[: len(val_rows) // actor_ranks * actor_ranks]
+            # validation generates on the actor's generation pool, one equal share per rank
+            gen_pool = self.graph.rollout_pools.get(self.graph.actor, self.graph.placement[self.graph.actor])
+            gen_ranks = self.graph.pools[gen_pool].num_devices
+            val_rows = val_rows[: len(val_rows) // gen_ranks * gen_ranks]
             self.val_prompts = (
                 collate_prompts(val_rows, tokenizer, spec.data.max_prompt_length,
                                 system_prompt=spec.data.system_prompt) if val_rows else None
@@ -240,7 +244,7 @@ class Trainer:
         for name, why in self.graph.redundant_nodes().items():
             tqdm.write(f"note: node {name!r} is redundant: {why}")
         start_ray(self.address, self.graph.pools.values())
-        for pool_name in dict.fromkeys(self.graph.placement.values()):
+        for pool_name in self.graph.used_pools():
             pool = ResourcePool(pool_name, self.graph.pools[pool_name])
             pool.create()
             self.pools.append(pool)
@@ -255,6 +259,7 @@ class Trainer:
                 init_kwargs={
                     "graph": self.graph,
                     "models": self.graph.models_on(pool_name),
+                    "rollouts": self.graph.rollouts_on(pool_name),
                     "tokenizer_dir": str(self.dirs.tokenizer.resolve()),
                     "total_steps": self._total_optimizer_steps(),
                 },
@@ -269,8 +274,26 @@ class Trainer:
         return any(
             (models[m].rollout is not None and models[m].rollout.engine == "vllm")
             or models[m].train.engine == "megatron"
-            for m in self.graph.models_on(pool_name)
+            for m in self.graph.models_on(pool_name) + self.graph.rollouts_on(pool_name)
         )
+
+    def _sync_standalone_rollouts(self) -> dict[str, float]:
+        """Send the actor's weights to its standalone rollout pool (``rollout.pool``), if it has
+        one: rank 0 of the training pool publishes them into the object store, every rank of
+        the rollout pool loads them (after the generation already queued there: under
+        one_step_off that one samples from the weights before). Waits for the load; returns
+        its metrics (``weight_sync/bytes``, ``timing/weight_sync``, ...)."""
+        metrics: dict[str, float] = {}
+        for model, pool in self.graph.rollout_pools.items():
+            rollout = self.spec.models[model].rollout
+            published = self.groups[self.graph.placement[model]].call(
+                "publish_weights", model=model, bucket_mb=rollout.sync_bucket_mb
+            )
+            received = self.groups[pool].call("receive_weights", model=model, published=[published[0]])
+            loads = controller_get(received)
+            metrics.update(loads[0])
+            metrics["timing/weight_sync"] = max(load["timing/weight_sync"] for load in loads)
+        return metrics
 
     def validate(self) -> dict:
         """Greedy generation on the held-out prompts, scored by the graph's score nodes."""
@@ -301,6 +324,7 @@ class Trainer:
         """Go back to checkpoint ``path`` (None: the run's start) and cut every per-iteration
         file back to it (``rewind``; a fresh run has nothing to cut); returns its iteration."""
         done, self.history = self.checkpointer.restore(path, self.groups)
+        self._sync_standalone_rollouts()  # the restored (or initial) weights, version ``done``
         if rewind:
             self.logger.rewind(done)
             self.dirs.drop_traces_after(done)

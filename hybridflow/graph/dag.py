@@ -50,6 +50,9 @@ class Graph:
     placement: dict[str, str]  # model name -> pool name
     layouts: dict[str, ParallelLayout]  # model name -> training layout with dp resolved
     ops: dict[str, Op]  # the records of the ops the nodes run (they travel with the graph)
+    # model name -> the pool its rollout engine has to itself (``rollout.pool``); empty when
+    # every rollout engine shares its model's pool (the hybrid engine)
+    rollout_pools: dict[str, str] = field(default_factory=dict)
 
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
@@ -63,8 +66,23 @@ class Graph:
         (one chunk per data-parallel rank, shared by its tensor/pipeline peers)."""
         if self.op(node).generates:
             gen = self.spec.models[node.model].rollout.layout
-            return gen.resolve(self.pools[self.placement[node.model]].num_devices)
+            return gen.resolve(self.pools[self.pool_of(node)].num_devices)
         return self.layouts[node.model]
+
+    def pool_of(self, node: Node) -> str:
+        """The pool whose workers run ``node``: its model's, or for a generating op of a model
+        with a standalone rollout (``rollout.pool``) that pool."""
+        if node.model in self.rollout_pools and self.op(node).generates:
+            return self.rollout_pools[node.model]
+        return self.placement[node.model]
+
+    def used_pools(self) -> list[str]:
+        """Every pool that runs something: the models' and the standalone rollouts', in order."""
+        return list(dict.fromkeys([*self.placement.values(), *self.rollout_pools.values()]))
+
+    def rollouts_on(self, pool: str) -> list[str]:
+        """Models whose rollout engine alone (no train engine) lives on ``pool``."""
+        return [m for m, p in self.rollout_pools.items() if p == pool]
 
     def producers(self, node: Node) -> dict[str, str]:
         """Input key -> producing node name (``SOURCE`` for the data source)."""
@@ -379,6 +397,45 @@ def _resolve_placement(
     return placement, layouts
 
 
+def _resolve_rollout_pools(
+    spec: GraphSpec, pools: dict[str, PoolSpec], placement: dict[str, str], file: str, pool_file: str
+) -> dict[str, str]:
+    """Model -> the pool of its standalone rollout engine (``rollout.pool``), checked: a known
+    pool other than the model's, a torch train engine without LoRA (its full weights are what
+    travels), generation tp 1, and a batch that splits over the pool's ranks."""
+    found = {}
+    for name, model in spec.models.items():
+        rollout = model.rollout
+        if rollout is None or rollout.pool is None:
+            continue
+        field_ = f"models.{name}.rollout.pool"
+        if rollout.pool not in pools:
+            raise SpecError(file, field_, f"unknown pool {rollout.pool!r}; {pool_file} defines {sorted(pools)}")
+        if rollout.pool == placement[name]:
+            raise SpecError(
+                file, field_,
+                f"pool {rollout.pool!r} is the one {name!r} trains on; leave rollout.pool out to "
+                "generate there (the hybrid engine), or name another pool",
+            )
+        if model.train.engine != "torch" or model.train.lora is not None:
+            raise SpecError(
+                file, field_,
+                "a standalone rollout takes the full weights of a torch train engine; megatron and "
+                "LoRA actors generate on their own pool (leave rollout.pool out)",
+            )
+        if rollout.layout.tp * rollout.layout.pp != 1:
+            raise SpecError(file, field_, "a standalone rollout generates at tp = pp = 1 on every rank of its pool")
+        ranks = pools[rollout.pool].num_devices
+        if spec.data.prompts_per_iteration % ranks:
+            raise SpecError(
+                file, "data.prompts_per_iteration",
+                f"{spec.data.prompts_per_iteration} prompts do not split evenly over the {ranks} "
+                f"ranks of rollout pool {rollout.pool!r}; use a multiple of {ranks}",
+            )
+        found[name] = rollout.pool
+    return found
+
+
 def _check_generation_layout(rollout, train: ParallelLayout, file: str, field: str) -> None:
     """Generation TP > 1 runs on vLLM only, at generation pp = 1, over ranks vLLM's external
     launcher groups itself: ``tg`` consecutive ones. Training ranks are TP-fastest, and a
@@ -480,6 +537,7 @@ def build_graph(
         placement=placement,
         layouts=layouts,
         ops={op: OPS[op] for op in dict.fromkeys(n.op for n in nodes)},
+        rollout_pools=_resolve_rollout_pools(spec, pools, placement, file, str(pool_path)),
     )
     if planned:
         placement, pools = planner(graph)
@@ -487,7 +545,8 @@ def build_graph(
         placement, layouts = _resolve_placement(explicit, pools, file, str(pool_path))
         if check_batch:
             batch_plan(spec, layouts, file)
-        graph = replace(graph, pools=pools, placement=placement, layouts=layouts)
+        rollout_pools = _resolve_rollout_pools(spec, pools, placement, file, str(pool_path))
+        graph = replace(graph, pools=pools, placement=placement, layouts=layouts, rollout_pools=rollout_pools)
     return graph
 
 

@@ -18,6 +18,7 @@ def describe(graph: Graph) -> str:
         lines.append(
             f"  {name:<12} {model.role:<7} pool={graph.placement[name]:<10} "
             f"tp={layout.tp} pp={layout.pp} dp={layout.dp}"
+            + (f" rollout pool={graph.rollout_pools[name]}" if name in graph.rollout_pools else "")
         )
     lines.append("nodes (execution order):")
     mode = graph.spec.trainer.async_.mode
@@ -62,10 +63,10 @@ def draw(graph: Graph, out: str | Path) -> Path:
             dag.nodes[name]["layer"] = layer
     positions = nx.multipartite_layout(dag, subset_key="layer", align="vertical")
     positions = {name: (x, -y) for name, (x, y) in positions.items()}
-    pools = list(dict.fromkeys(graph.placement.values()))
+    pools = graph.used_pools()
     palette = plt.get_cmap("tab10")
     pool_colour = {pool: palette(i % 10) for i, pool in enumerate(pools)}
-    pool_of = {node.name: graph.placement[node.model] for node in graph.nodes}
+    pool_of = {node.name: graph.pool_of(node) for node in graph.nodes}
     colours = [pool_colour[pool_of[n]] if n in pool_of else (0.85, 0.85, 0.85, 1.0) for n in dag]
     labels = {
         n: (f"{n}\n{graph.node(n).op} on {graph.node(n).model}" if n in pool_of else "prompts")

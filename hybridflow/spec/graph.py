@@ -290,6 +290,23 @@ class RolloutSpec(Spec):
         "generation ~3x slower per token, benchmarks/RESULTS.md). The transformers rollout "
         "shares the module either way.",
     )
+    pool: str | None = Field(
+        None,
+        description="A pool of the resources file for the rollout engine alone (a standalone "
+        "rollout, apart from training; verl's and slime's split): the actor's generate node runs "
+        "there, on one full model per rank, and after every update the actor's weights travel to "
+        "it through Ray's object store in buckets of sync_bucket_mb (cross-pool weight sync, "
+        "metrics weight_sync/*). null: the actor's own pool (the hybrid engine). With "
+        "trainer.async.mode one_step_off, generation k+1 then runs during update k. Needs the torch "
+        "train engine without LoRA and generation tp 1.",
+    )
+    sync_bucket_mb: float = Field(
+        64.0,
+        gt=0,
+        description="rollout.pool only: the weights go to the rollout pool in object-store "
+        "buckets of about this many MiB (one tensor larger than that is a bucket of its own); "
+        "each rollout rank loads one bucket at a time, so its peak extra memory is one bucket.",
+    )
     log_prob_tolerance: float | None = Field(
         None,
         gt=0,

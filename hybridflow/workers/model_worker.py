@@ -10,9 +10,11 @@ of a subclass.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 from typing import Any
 
+import ray
 import torch
 from tensordict import TensorDict
 
@@ -76,6 +78,7 @@ class ModelWorker(Worker):
         models: list[str],
         tokenizer_dir: str,
         total_steps: int,
+        rollouts: list[str] = (),
     ) -> None:
         super().__init__(rank, world_size, master_addr, master_port, threads)
         from transformers import AutoTokenizer
@@ -113,19 +116,18 @@ class ModelWorker(Worker):
             )
             self.train_engines[name] = engine
             rollout = model_spec.rollout
-            if rollout is not None:
-                self.rollout_engines[name] = ROLLOUT_ENGINES.get(rollout.engine).build(
-                    module,
-                    self.tokenizer,
-                    max_model_len=data.max_prompt_length + data.max_response_length,
-                    # A whole iteration's samples fit in the KV cache at once (one batch per generate call).
-                    max_num_seqs=data.prompts_per_iteration * rollout.n,
-                    temperature=rollout.temperature,
-                    # vLLM starts with LoRA only when it will take adapters, not merged weights
-                    adapter_config=None if rollout.lora_sync == "merged" else engine.adapter_config(),
-                    **_generation_tp(graph.layouts[name], rollout.layout.tp, rank, seed),
-                )
+            if rollout is not None and name not in graph.rollout_pools:
+                # vLLM starts with LoRA only when it will take adapters, not merged weights
+                adapter = None if rollout.lora_sync == "merged" else engine.adapter_config()
+                self.rollout_engines[name] = self._build_rollout(name, module, adapter)
                 self.weight_syncs[name] = weight_sync(engine, rollout)  # collective when resharded
+        for name in rollouts:  # a standalone rollout (rollout.pool): its weights come by publish_weights
+            model_spec = graph_spec.models[name]
+            module = build_causal_lm(
+                model_spec.source, vocab_size=len(self.tokenizer), pad_id=self.tokenizer.pad_token_id,
+                eos_id=self.tokenizer.eos_token_id, seed=seed, dtype=model_spec.train.dtype,
+            )
+            self.rollout_engines[name] = self._build_rollout(name, module.eval().requires_grad_(False), None)
         for name, actor in served.items():
             if actor is not None:  # the reference policy: the LoRA actor with adapters disabled
                 self.train_engines[name] = BaseModelEngine(self.train_engines[actor])
@@ -140,8 +142,23 @@ class ModelWorker(Worker):
         # Policy versions: actor updates applied to a model's train engine, and the one its
         # rollout engine last took (a weight sync); every generated sample is tagged with the
         # latter (``weight_version``), and an update's staleness is the difference.
-        self.train_versions: dict[str, int] = dict.fromkeys(self.rollout_engines, 0)
+        # A standalone rollout's train engine is on another pool: its versions are counted there.
+        trained_here = [m for m in self.train_engines if m in self.rollout_engines or m in graph.rollout_pools]
+        self.train_versions: dict[str, int] = dict.fromkeys(trained_here, 0)
         self.rollout_versions: dict[str, int] = dict.fromkeys(self.rollout_engines, 0)
+
+    def _build_rollout(self, name: str, module: torch.nn.Module, adapter_config) -> RolloutEngine:
+        rollout, data = self.spec.models[name].rollout, self.spec.data
+        return ROLLOUT_ENGINES.get(rollout.engine).build(
+            module,
+            self.tokenizer,
+            max_model_len=data.max_prompt_length + data.max_response_length,
+            # A whole iteration's samples fit in the KV cache at once (one batch per generate call).
+            max_num_seqs=data.prompts_per_iteration * rollout.n,
+            temperature=rollout.temperature,
+            adapter_config=adapter_config,
+            **_generation_tp(self.graph.layouts[name], rollout.layout.tp, self.rank, self.spec.trainer.seed),
+        )
 
     # -- ops ----------------------------------------------------------------------------------
 
@@ -370,8 +387,9 @@ class ModelWorker(Worker):
         # Off-policy modes train on samples of older weights by design: report, do not stop.
         if rollout is not None and self.spec.trainer.async_.mode == "sync":
             check_consistency(consistency, rollout.log_prob_tolerance, model=model, engine=rollout.engine)
-        if model in self.rollout_engines:
+        if model in self.train_versions:
             self.train_versions[model] += 1
+        if model in self.rollout_engines:
             if self._inject_stale_syncs.get(model, 0) > 0:
                 self._inject_stale_syncs[model] -= 1
             else:
@@ -424,9 +442,11 @@ class ModelWorker(Worker):
         """Load checkpoint ``path``, saved under any layout; ``same_ranks``: its pool ``pool``
         had this pool's number of ranks (then each rank takes back its own RNG stream)."""
         checkpointing.load_engines(path, self._trained_engines())
+        for name in self.train_versions:  # one actor update per iteration
+            self.train_versions[name] = iteration
         for name in self.rollout_engines:  # a rollout engine with its own copy: the loaded weights
-            self.train_versions[name] = iteration  # one actor update per iteration
-            self._sync_rollout(name)
+            if name in self.train_engines:  # a standalone one gets them by publish_weights
+                self._sync_rollout(name)
         checkpointing.load_rank_state(
             path, pool, self.rank, self.extra_state, same_ranks, self.spec.trainer.seed, iteration
         )
@@ -449,6 +469,49 @@ class ModelWorker(Worker):
         version: samples it generates from now on are tagged with it)."""
         self.rollout_versions[model] = self.train_versions[model]
         return self.weight_syncs[model](self.rollout_engines[model])
+
+    # -- a standalone rollout's weights (rollout.pool) -----------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def publish_weights(self, *, model: str, bucket_mb: float) -> dict | None:
+        """Rank 0 puts ``model``'s current weights into the object store in buckets of about
+        ``bucket_mb`` MiB (every data-parallel rank holds the same full weights) and returns
+        their refs with the weight version and the bytes; the other ranks return None."""
+        if self.rank != 0:
+            return None
+        start = time.perf_counter()
+        buckets, bucket, size, total = [], {}, 0, 0
+        limit = bucket_mb * 2**20
+        for name, tensor in self.train_engines[model].named_weights():
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > limit:
+                buckets.append(ray.put(bucket))
+                bucket, size = {}, 0
+            bucket[name] = tensor
+            size += nbytes
+            total += nbytes
+        if bucket:
+            buckets.append(ray.put(bucket))
+        return {
+            "buckets": buckets,
+            "version": self.train_versions[model],
+            "metrics": {"weight_sync/bytes": float(total), "weight_sync/buckets": float(len(buckets)),
+                        "timing/weight_publish": time.perf_counter() - start},
+        }
+
+    @register(Dispatch.ONE_TO_ALL)
+    def receive_weights(self, *, model: str, published: list) -> dict[str, float]:
+        """Load what rank 0 of the training pool published (``published``: ``[ref]``, the ref
+        of its ``publish_weights`` result) into ``model``'s rollout engine, one bucket at a
+        time; later samples carry the published version."""
+        start = time.perf_counter()
+        (offer,) = ray.get(published)
+        for ref in offer["buckets"]:
+            bucket = ray.get(ref)
+            self.rollout_engines[model].load_weights(iter(bucket.items()))
+            del bucket
+        self.rollout_versions[model] = offer["version"]
+        return {**offer["metrics"], "timing/weight_sync": time.perf_counter() - start}
 
     @register(Dispatch.ONE_TO_ALL)
     def inject_nonfinite(self, *, model: str, target: str, count: int = 1) -> None:
