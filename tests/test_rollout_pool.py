@@ -69,49 +69,39 @@ def test_prompts_must_split_over_the_rollout_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_sync_split_rollout_takes_every_update_and_the_restored_weights(ray_session, tmp_path):
-    """Synchronous split, weights in buckets of 0.1 MiB (four of them): the rollout pool's
-    sampler equals the trainer's weights at every update (log-prob diff ~1e-7; a missed sync
-    would leave it an update behind, ~1e-2), staleness 0. Resumed from the checkpoint of
-    iteration 2, iteration 3 samples from the restored weights, not the initial ones."""
+def test_split_rollout_one_step_off_overlaps_syncs_and_resumes(ray_session, tmp_path):
+    """One-step off-policy on two pools, weights sent in buckets of 0.1 MiB (four of them):
+
+    - generation k+1 (pool rollout) starts before update k (pool train) ends;
+    - samples are exactly one update old from iteration 2 on: the rollout pool took every
+      update's version (a missed sync would make them two old and stop the run);
+    - resumed from the checkpoint of iteration 2, iteration 3 regenerates from the restored
+      weights: its sampler equals the trainer (log-prob diff ~1e-7; the initial weights would
+      differ by ~1e-2), staleness 0.
+    """
     from hybridflow.controller.trainer import Trainer
 
-    overrides = [*SHORT, "trainer.async.mode=sync", "trainer.iterations=3", "trainer.save_interval=2",
+    overrides = [*SHORT, "trainer.iterations=4", "trainer.save_interval=2", "trainer.trace_interval=1",
                  "models.actor.rollout.sync_bucket_mb=0.1"]
     run_dir = tmp_path / "run"
-    Trainer(load_graph(SPLIT, overrides), run_dir=str(run_dir)).fit(stop_after=2)
-    Trainer(load_graph(SPLIT, overrides), run_dir=str(run_dir), resume=True).fit()
+    Trainer(load_graph(SPLIT, overrides), run_dir=str(run_dir)).fit(stop_after=3)
+    spans = {}
+    for path in (run_dir / "trace").glob("*.json"):
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+        spans[events[0]["args"]["iteration"]] = {
+            e["name"]: (e["args"]["wall_start"], e["args"]["wall_start"] + e["dur"] / 1e6) for e in events
+        }
+    assert spans[3]["generate"][0] < spans[2]["update_actor"][1]
     rows = _rows(run_dir)
-    assert [r["iteration"] for r in rows] == [1, 2, 3]
-    model_bytes = rows[0]["weight_sync/bytes"]
-    for row in rows:
-        assert row["actor/rollout_log_prob_diff_max"] < 1e-5, row["actor/rollout_log_prob_diff_max"]
-        assert row["async/staleness_max"] == 0.0
-        assert row["weight_sync/buckets"] == 4.0 and row["weight_sync/bytes"] == model_bytes > 0
-    assert rows[2]["actor/kl"] > 0.0  # the weights moved away from the reference's
-
-
-@pytest.mark.slow
-def test_one_step_off_split_generates_during_the_update_one_version_behind(ray_session, tmp_path):
-    """One-step off-policy on two pools: samples are one update old from iteration 2 on, and
-    the generation of iteration k+1 (rollout pool) overlaps the update of iteration k (training
-    pool) in the timeline."""
-    from hybridflow.controller.trainer import Trainer
-
-    overrides = [*SHORT, "trainer.iterations=4", "trainer.trace_interval=1"]
-    trainer = Trainer(load_graph(SPLIT, overrides), run_dir=str(tmp_path / "run"))
-    trainer.fit()
-    rows = _rows(tmp_path / "run")
-    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
     for row in rows[1:]:
         assert row["actor/rollout_log_prob_diff_mean"] > 1e-4  # sampled by the previous weights
-    traces = sorted((tmp_path / "run").glob("trace/*.json"))
-    spans = {}
-    for path in traces:
-        events = json.loads(path.read_text())["traceEvents"]
-        it = next(e["args"]["iteration"] for e in events if e["ph"] == "X")
-        spans[it] = {e["name"]: (e["args"]["wall_start"], e["args"]["wall_start"] + e["dur"] / 1e6)
-                     for e in events if e["ph"] == "X"}
-    # generation of iteration k+1 started before the update of iteration k ended
-    for k in (2, 3):
-        assert spans[k + 1]["generate"][0] < spans[k]["update_actor"][1]
+
+    Trainer(load_graph(SPLIT, overrides), run_dir=str(run_dir), resume=True).fit()
+    rows = _rows(run_dir)
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
+    assert rows[2]["actor/rollout_log_prob_diff_max"] < 1e-5, rows[2]["actor/rollout_log_prob_diff_max"]
+    assert rows[0]["actor/rollout_log_prob_diff_max"] < 1e-5  # the first sync: the initial weights
+    for row in rows:
+        assert row["weight_sync/buckets"] == 4.0 and row["weight_sync/bytes"] == rows[0]["weight_sync/bytes"] > 0
