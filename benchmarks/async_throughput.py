@@ -2,12 +2,14 @@
 
     python benchmarks/async_throughput.py [--seeds 0 1 2] [--iterations 150] [--json FILE] [overrides...]
 
-Three ways to run the same GRPO workload (``graphs/grpo_split_rollout.yaml``: the copy task,
+Four ways to run the same GRPO workload (``graphs/grpo_split_rollout.yaml``: the copy task,
 tiny model, 16 prompts x 16 samples, token TIS at C = 2) on two CPU ranks:
 
 - ``sync_split``: the actor trains on pool ``train`` and generates on pool ``rollout`` (one rank
   each), generate then train, each pool idle while the other works;
-- ``one_step_off``: the same pools, generation k+1 on ``rollout`` during update k on ``train``;
+- ``one_step_off``: the same pools, generation k+1 on ``rollout`` during update k on ``train``
+  (streaming with K = 1);
+- ``streaming_k2``: the same, two generations queued ahead (staleness 2);
 - ``colocated_dp2``: no rollout pool; actor, ref and reward on one pool of two ranks (dp = 2),
   generation and training one after another on both ranks (the hybrid engine).
 
@@ -32,7 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 GRAPH = ROOT / "graphs" / "grpo_split_rollout.yaml"
 MODES = {
     "sync_split": ["trainer.async.mode=sync"],
-    "one_step_off": ["trainer.async.mode=one_step_off"],
+    "one_step_off": ["trainer.async.mode=one_step_off"],  # streaming with K = 1
+    "streaming_k2": ["trainer.async.mode=streaming", "trainer.async.max_staleness=2"],
     "colocated_dp2": [
         "trainer.async.mode=sync", "models.actor.rollout.pool=null",
         f"resources={ROOT / 'resource_pools' / 'local_cpu.yaml'}",

@@ -174,7 +174,8 @@ def test_grpo_with_rollout_correction_and_version_tags(ray_session, tmp_path):
 @pytest.mark.parametrize(
     "graph, overrides, field",
     [
-        (GRPO, ["trainer.async.mode=streaming"], "trainer.async.mode"),
+        (GRPO, ["trainer.async.mode=streaming", "trainer.async.max_staleness=0"], "trainer.async"),
+        (GRPO, ["trainer.async.mode=stream"], "trainer.async.mode"),
         (GRPO, ["trainer.async.mode=one_step_off", "trainer.async.max_staleness=0"], "trainer.async"),
         (GRPO, ["trainer.async_.mode=sync"], "trainer.async_"),  # the file spells it async
         (ROOT / "graphs" / "dapo.yaml", ["trainer.async.mode=one_step_off"], "trainer.async.mode"),

@@ -69,19 +69,22 @@ def test_prompts_must_split_over_the_rollout_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_split_rollout_one_step_off_overlaps_syncs_and_resumes(ray_session, tmp_path):
-    """One-step off-policy on two pools, weights sent in buckets of 0.1 MiB (four of them):
+def test_split_rollout_streaming_overlaps_syncs_and_resumes(ray_session, tmp_path):
+    """Streaming with K = 2 on two pools, weights sent in buckets of 0.1 MiB (four of them):
 
-    - generation k+1 (pool rollout) starts before update k (pool train) ends;
-    - samples are exactly one update old from iteration 2 on: the rollout pool took every
-      update's version (a missed sync would make them two old and stop the run);
-    - resumed from the checkpoint of iteration 2, iteration 3 regenerates from the restored
-      weights: its sampler equals the trainer (log-prob diff ~1e-7; the initial weights would
-      differ by ~1e-2), staleness 0.
+    - two generations are queued ahead: iteration 3's (pool rollout) starts before update 2
+      (pool train) ends;
+    - staleness 0, 1, 2: the rollout pool took every update's version in turn (one missed
+      would make samples three updates old and stop the run);
+    - the checkpoint of iteration 2 counts two batches of prompts, not the four drawn;
+    - resumed from it, iteration 3 regenerates from the restored weights: its sampler equals
+      the trainer (log-prob diff ~1e-7; the initial weights would differ by ~1e-2).
     """
+    from hybridflow.controller.checkpoint import checkpoint_dir, load_controller_state
     from hybridflow.controller.trainer import Trainer
 
     overrides = [*SHORT, "trainer.iterations=4", "trainer.save_interval=2", "trainer.trace_interval=1",
+                 "trainer.async.mode=streaming", "trainer.async.max_staleness=2",
                  "models.actor.rollout.sync_bucket_mb=0.1"]
     run_dir = tmp_path / "run"
     Trainer(load_graph(SPLIT, overrides), run_dir=str(run_dir)).fit(stop_after=3)
@@ -93,9 +96,11 @@ def test_split_rollout_one_step_off_overlaps_syncs_and_resumes(ray_session, tmp_
         }
     assert spans[3]["generate"][0] < spans[2]["update_actor"][1]
     rows = _rows(run_dir)
-    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 2.0]
     for row in rows[1:]:
-        assert row["actor/rollout_log_prob_diff_mean"] > 1e-4  # sampled by the previous weights
+        assert row["actor/rollout_log_prob_diff_mean"] > 1e-4  # sampled by earlier weights
+    state = load_controller_state(checkpoint_dir(run_dir, 2))["dataset"]
+    assert (state["position"], state["next_uid"]) == (2 * 8, 2 * 8)
 
     Trainer(load_graph(SPLIT, overrides), run_dir=str(run_dir), resume=True).fit()
     rows = _rows(run_dir)
@@ -103,5 +108,48 @@ def test_split_rollout_one_step_off_overlaps_syncs_and_resumes(ray_session, tmp_
     assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
     assert rows[2]["actor/rollout_log_prob_diff_max"] < 1e-5, rows[2]["actor/rollout_log_prob_diff_max"]
     assert rows[0]["actor/rollout_log_prob_diff_max"] < 1e-5  # the first sync: the initial weights
-    for row in rows:
-        assert row["weight_sync/buckets"] == 4.0 and row["weight_sync/bytes"] == rows[0]["weight_sync/bytes"] > 0
+    # a load's metrics land in the iteration that collects it (loads wait behind the queue)
+    syncs = [r for r in rows if "weight_sync/buckets" in r]
+    assert syncs
+    for row in syncs:
+        assert row["weight_sync/buckets"] == 4.0 and row["weight_sync/bytes"] == syncs[0]["weight_sync/bytes"] > 0
+
+
+def test_ahead_generation_keeps_k_batches_queued_and_reports_the_oldest_position(monkeypatch):
+    """The bookkeeping of generation ahead (streaming, K = 2), launches recorded instead of
+    submitted: K batches queued after each take, none past the run's end, and the checkpointed
+    position is the dataset's before the oldest queued batch."""
+    from hybridflow.controller import ahead
+
+    class Counter:  # a dataset: batch i is the number i
+        def __init__(self):
+            self.position = 0
+
+        def next_batch(self):
+            self.position += 1
+            return self.position
+
+        def state_dict(self):
+            return {"position": self.position}
+
+        def load_state_dict(self, state):
+            self.position = state["position"]
+
+    launched = []
+    monkeypatch.setattr(ahead, "launch", lambda graph, nodes, groups, prompts: launched.append(prompts) or {"gen": prompts})
+    monkeypatch.setattr(ahead, "generation_nodes", lambda graph: [])
+    dataset = Counter()
+    gen = ahead.AheadGeneration(None, dataset, put=lambda batch: batch, depth=2)
+    taken = []
+    for iteration in range(1, 6):
+        prompts, nodes = gen.take({}, remaining=5 - iteration)
+        taken.append(prompts)
+        assert nodes == {"gen": prompts}
+        assert gen.queued == min(2, 5 - iteration)
+        if iteration == 2:
+            assert gen.state_dict() == {"position": 2}  # batches 3 and 4 queued: drawn again on resume
+    assert taken == [1, 2, 3, 4, 5] and launched == [1, 2, 3, 4, 5]
+    assert gen.state_dict() == {"position": 5}
+    gen.take({}, remaining=3)  # after a restore to position 1: the queue is dropped, drawn again
+    gen.load_state_dict({"position": 1})
+    assert gen.queued == 0 and gen.take({}, remaining=3)[0] == 2

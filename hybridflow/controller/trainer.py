@@ -14,12 +14,16 @@ One iteration (``fit`` -> ``_iterate`` -> ``step``), for any graph; grpo.yaml's 
     callbacks, NaN guard   nan_tolerance skipped updates in a row: RunStopped
     checkpointer.save()    every trainer.save_interval: checkpoints/iter_N, atomic, layout-free
 
-``trainer.async.mode: one_step_off`` (``one_step_off``): ``dataset.next_batch()`` and generate
+``trainer.async.mode: one_step_off`` (``ahead``): ``dataset.next_batch()`` and generate
 run one iteration ahead; iteration k's graph starts from the generation submitted during k-1,
-and generation k+1 is submitted before update k, so it samples from the weights before it::
+and generation k+1 is submitted before update k, so it samples from the weights before it
+(``streaming`` keeps K = ``max_staleness`` generations ahead: staleness K)::
 
     iter k:    [generate k+1] old_log_prob k, ref k, reward k, advantage k, update k
     iter k+1:  (generate k+1, done) old_log_prob k+1, ... update k+1      staleness 1
+
+With a standalone rollout (``rollout.pool``) generation runs on its own pool, during the
+updates, and each update's weights travel there (``_sync_standalone_rollouts``).
 
 A lost worker (``recovery``) restarts every group and ``checkpointer.restore()``s the newest
 checkpoint. Components in modules of their own: ``run_dir`` (which directory, refusing another
@@ -31,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -41,7 +46,7 @@ from tqdm import tqdm
 from hybridflow.controller.checkpoint import Checkpointer
 from hybridflow.controller.executor import IterationResult, chrome_trace, run_nodes
 from hybridflow.controller.loggers import RunLoggers
-from hybridflow.controller.one_step_off import AheadGeneration
+from hybridflow.controller.ahead import AheadGeneration
 from hybridflow.controller.preflight import check_engines_installed, check_inputs, check_model_paths, run_tokenizer
 from hybridflow.controller.recovery import NanGuard, Recovery, RunStopped
 from hybridflow.controller.run_dir import RunDir
@@ -105,7 +110,8 @@ class Trainer:
         self.history: list[dict] = []
         self.callbacks: list[Callable[[Trainer, int, dict], None]] = []
         self.extra_state: dict[str, object] = {}
-        self.ahead: AheadGeneration | None = None  # trainer.async.mode one_step_off (_setup)
+        self._pending_syncs: deque[list] = deque()  # weight loads into a standalone rollout, per update
+        self.ahead: AheadGeneration | None = None  # trainer.async.mode one_step_off / streaming (_setup)
         self.nan_guard = NanGuard(options.nan_tolerance)
         self.recovery = Recovery(self.dirs.events, options.max_restarts)
         self.checkpointer = Checkpointer(self.dirs, graph, self.extra_state)
@@ -173,8 +179,8 @@ class Trainer:
     def step(self, iteration: int) -> dict:
         t0 = time.perf_counter()
         options = self.spec.trainer
-        if self.ahead is not None:  # one-step off-policy: generation k+1 goes before update k
-            prompts, launched = self.ahead.take(self.groups, launch_next=iteration < options.iterations)
+        if self.ahead is not None:  # generation k+K goes before update k
+            prompts, launched = self.ahead.take(self.groups, remaining=options.iterations - iteration)
         else:
             prompts, launched = self._put(self.dataset.next_batch()), None
         result = run_nodes(
@@ -187,7 +193,7 @@ class Trainer:
             trace_file.parent.mkdir(exist_ok=True)
             trace_file.write_text(json.dumps(chrome_trace(result.timeline, iteration)))
         metrics = {"iteration": iteration, **result.metrics}
-        metrics.update(self._sync_standalone_rollouts())
+        metrics.update(self._sync_standalone_rollouts(keep=self.ahead.queued if self.ahead else 0))
         metrics["timing/iteration"] = time.perf_counter() - t0
         tokens = metrics.get("rollout/num_tokens", 0.0)
         metrics["throughput/tokens_per_s"] = tokens / metrics["timing/iteration"]
@@ -234,9 +240,10 @@ class Trainer:
             self.dirs.check_resume(self.graph)
         self.dirs.write_resolved_config(self.graph)
         tokenizer.save_pretrained(self.dirs.tokenizer)
-        one_step_off = spec.trainer.async_.mode == "one_step_off"
-        self.ahead = AheadGeneration(self.graph, self.dataset, self._put) if one_step_off else None
-        # One-step off-policy: the dataset's position before the buffered generation's prompts.
+        bound = spec.trainer.async_
+        depth = {"sync": 0, "one_step_off": 1, "streaming": bound.max_staleness}[bound.mode]
+        self.ahead = AheadGeneration(self.graph, self.dataset, self._put, depth) if depth else None
+        # Generation ahead: the dataset's position before the buffered generations' prompts.
         self.checkpointer.components.update(dataset=self.ahead or self.dataset, guard=self.nan_guard)
         self.checkpointer.mark_start()
         self.logger = RunLoggers(spec.trainer, self.run_dir, self.graph.file)
@@ -277,20 +284,27 @@ class Trainer:
             for m in self.graph.models_on(pool_name) + self.graph.rollouts_on(pool_name)
         )
 
-    def _sync_standalone_rollouts(self) -> dict[str, float]:
+    def _sync_standalone_rollouts(self, keep: int = 0) -> dict[str, float]:
         """Send the actor's weights to its standalone rollout pool (``rollout.pool``), if it has
         one: rank 0 of the training pool publishes them into the object store, every rank of
-        the rollout pool loads them (after the generation already queued there: under
-        one_step_off that one samples from the weights before). Waits for the load; returns
-        its metrics (``weight_sync/bytes``, ``timing/weight_sync``, ...)."""
-        metrics: dict[str, float] = {}
+        the rollout pool loads them after the calls already queued there (the generations run
+        ahead sample from the weights before). Returns the metrics (``weight_sync/bytes``,
+        ``timing/weight_sync``, ...) of the loads finished by now, waiting only while more than
+        ``keep`` are unfinished: the generations queued ahead, which the loads wait behind."""
         for model, pool in self.graph.rollout_pools.items():
             rollout = self.spec.models[model].rollout
             published = self.groups[self.graph.placement[model]].call(
                 "publish_weights", model=model, bucket_mb=rollout.sync_bucket_mb
             )
-            received = self.groups[pool].call("receive_weights", model=model, published=[published[0]])
-            loads = controller_get(received)
+            self._pending_syncs.append(self.groups[pool].call("receive_weights", model=model, published=[published[0]]))
+        metrics: dict[str, float] = {}
+        while self._pending_syncs:
+            oldest = self._pending_syncs[0]
+            wait = None if len(self._pending_syncs) > keep else 0
+            ready, _ = ray.wait(oldest, num_returns=len(oldest), timeout=wait)
+            if len(ready) < len(oldest):
+                break
+            loads = controller_get(self._pending_syncs.popleft())
             metrics.update(loads[0])
             metrics["timing/weight_sync"] = max(load["timing/weight_sync"] for load in loads)
         return metrics
@@ -324,6 +338,7 @@ class Trainer:
         """Go back to checkpoint ``path`` (None: the run's start) and cut every per-iteration
         file back to it (``rewind``; a fresh run has nothing to cut); returns its iteration."""
         done, self.history = self.checkpointer.restore(path, self.groups)
+        self._pending_syncs.clear()  # loads into workers that were restarted, or done
         self._sync_standalone_rollouts()  # the restored (or initial) weights, version ``done``
         if rewind:
             self.logger.rewind(done)

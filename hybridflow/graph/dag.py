@@ -290,8 +290,8 @@ def _route_through_filters(nodes: list[Node], dag: nx.DiGraph, file: str) -> Non
 
 
 def generation_nodes(graph: "Graph") -> list[Node]:
-    """The nodes that generate from the prompts alone: what ``trainer.async.mode:
-    one_step_off`` runs one iteration ahead."""
+    """The nodes that generate from the prompts alone: what ``trainer.async.mode``
+    one_step_off and streaming run ahead of the iteration."""
     return [n for n in graph.nodes if OPS[n.op].generates and set(graph.producers(n).values()) <= {SOURCE}]
 
 

@@ -22,7 +22,8 @@ def describe(graph: Graph) -> str:
         )
     lines.append("nodes (execution order):")
     mode = graph.spec.trainer.async_.mode
-    ahead = {n.name for n in generation_nodes(graph)} if mode == "one_step_off" else set()
+    ahead = {n.name for n in generation_nodes(graph)} if mode != "sync" else set()
+    how_far = "the next iteration" if mode == "one_step_off" else f"{graph.spec.trainer.async_.max_staleness} iterations ahead"
     for node in graph.nodes:
         waits = sorted({src for src in graph.producers(node).values() if src != SOURCE})
         outputs = _refill_note(graph, node) or ", ".join(node.outputs) or "(update)"
@@ -30,7 +31,7 @@ def describe(graph: Graph) -> str:
             f"  {node.name:<14} {node.op:<10} on {node.model:<8} "
             f"{', '.join(node.inputs) or '-'} -> {outputs}"
             + (f"   waits for: {', '.join(waits)}" if waits else "")
-            + ("   (one_step_off: submitted for the next iteration before this one's updates)" if node.name in ahead else "")
+            + (f"   ({mode}: submitted for {how_far} before this one's updates)" if node.name in ahead else "")
         )
     return "\n".join(lines)
 

@@ -691,9 +691,6 @@ class DataSpec(Spec):
     num_val: int = Field(64, ge=0, description="Held-out prompts scored greedily.")
 
 
-ASYNC_MODES_IMPLEMENTED = ("sync", "one_step_off")
-
-
 class AsyncSpec(Spec):
     """How generation overlaps training (``trainer.async``). Every sample carries the policy
     version that generated it (``weight_version``); the update reports async/staleness_mean and
@@ -704,24 +701,22 @@ class AsyncSpec(Spec):
         description="sync: generate, then train, each iteration (staleness 0). one_step_off: "
         "iteration k+1's generation is submitted before iteration k's update, so it samples from "
         "the weights before that update (staleness 1; pair it with an update's "
-        "rollout_correction). streaming: not implemented yet.",
+        "rollout_correction). streaming: max_staleness (K) generations are kept queued ahead, "
+        "so samples are K updates old; whole batches, weights load between generate calls "
+        "(no partial rollouts). With the rollout on a pool of its own (rollout.pool) both "
+        "off-policy modes generate during the updates.",
     )
     max_staleness: int = Field(
         1, ge=0, description="K: a batch is trained only if its samples lag the trainer by at most "
-        "K actor updates (one_step_off needs K >= 1)."
+        "K actor updates (one_step_off needs K >= 1); streaming keeps K generations ahead."
     )
-
-    @field_validator("mode")
-    @classmethod
-    def _mode_available(cls, mode: str) -> str:
-        if mode not in ASYNC_MODES_IMPLEMENTED:
-            raise ValueError(f"{mode!r} is not implemented yet; use one of {', '.join(ASYNC_MODES_IMPLEMENTED)}")
-        return mode
 
     @model_validator(mode="after")
     def _bound_allows_mode(self) -> "AsyncSpec":
-        if self.mode == "one_step_off" and self.max_staleness < 1:
-            raise ValueError("max_staleness must be >= 1 for mode one_step_off (its samples are 1 update old)")
+        if self.mode != "sync" and self.max_staleness < 1:
+            raise ValueError(
+                f"max_staleness must be >= 1 for mode {self.mode} (its samples are at least 1 update old)"
+            )
         return self
 
 

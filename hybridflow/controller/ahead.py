@@ -1,0 +1,78 @@
+"""Generation ahead of training (``trainer.async.mode: one_step_off | streaming``), still under
+the single controller.
+
+``one_step_off`` keeps one generation ahead, ``streaming`` keeps K (``max_staleness``)::
+
+    iteration k:  take gen k (submitted K iterations ago)
+                  submit gen k+K on the next prompts  ----.  queued on the rollout's workers
+                  old_log_prob k, ref k, reward k,        |  before update k's weights reach
+                  advantage k -> update k (-> v k)        |  them: samples from v k-1
+    iteration k+K: take gen k+K  <------------------------'  trained at v k+K-1: staleness K
+
+The rollout's workers run their calls in submission order, so generation k+K samples from the
+weights before update k whatever the pools; on a pool of its own (``rollout.pool``) it also runs
+*during* the updates. Samples carry their version (``weight_version``); pair the modes with an
+update's ``rollout_correction``, which weighs by pi_old (recomputed at the trainer's weights)
+over the rollout's log-probs.
+
+Generation here is whole batches: new weights load between two generate calls, never during
+one (no partial rollouts), so every sample comes from one weight version.
+
+Checkpoints: the buffered generations are not saved. ``AheadGeneration`` stands in for the
+dataset among the checkpoint's components and reports the dataset's position *before* the
+oldest buffered batch's prompts were drawn, so a resumed or recovered run draws them again and
+regenerates them (from the restored weights): no prompt is skipped or trained twice.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from hybridflow.controller.executor import launch
+from hybridflow.data.datasets import PromptDataset
+from hybridflow.graph.dag import Graph, generation_nodes
+from hybridflow.workers.sharded import ShardedRef
+
+
+class AheadGeneration:
+    """The prompts and submitted generations of the next ``depth`` iterations at most."""
+
+    def __init__(
+        self, graph: Graph, dataset: PromptDataset, put: Callable[[object], ShardedRef], depth: int = 1
+    ) -> None:
+        self.graph = graph
+        self.dataset = dataset
+        self.put = put
+        self.depth = depth
+        self.nodes = generation_nodes(graph)
+        # (the dataset's state before the batch's prompts were drawn, prompts, launched nodes)
+        self._buffered: deque[tuple[dict, ShardedRef, dict]] = deque()
+
+    def _launch(self, groups: dict) -> tuple[dict, ShardedRef, dict]:
+        before = self.dataset.state_dict()
+        prompts = self.put(self.dataset.next_batch())
+        return before, prompts, launch(self.graph, self.nodes, groups, prompts)
+
+    def take(self, groups: dict, remaining: int) -> tuple[ShardedRef, dict]:
+        """This iteration's prompts and launched generation nodes (launched now if none is
+        buffered: the first iteration, or after a restore); then the generations of the next
+        iterations are submitted, up to ``depth`` of them and no more than the ``remaining``
+        iterations after this one, ahead of anything this iteration submits later."""
+        _, prompts, launched = self._buffered.popleft() if self._buffered else self._launch(groups)
+        while len(self._buffered) < min(self.depth, remaining):
+            self._buffered.append(self._launch(groups))
+        return prompts, launched
+
+    @property
+    def queued(self) -> int:
+        """Generations submitted for later iterations."""
+        return len(self._buffered)
+
+    def state_dict(self) -> dict:
+        return self._buffered[0][0] if self._buffered else self.dataset.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Back to ``state``; buffered generations (of workers that may be gone) are dropped."""
+        self._buffered.clear()
+        self.dataset.load_state_dict(state)
