@@ -40,6 +40,18 @@ def test_generation_runs_on_the_rollout_pool_and_the_rest_on_the_training_pool()
     assert {hybrid.pool_of(node) for node in hybrid.nodes} == {"train"} and hybrid.rollout_pools == {}
 
 
+def test_graph_pictures_show_the_rollout_pool_and_how_far_ahead(tmp_path):
+    from hybridflow.graph.render import _residents, describe, draw
+
+    graph = load_graph(SPLIT, ["trainer.async.mode=streaming", "trainer.async.max_staleness=2"])
+    text = describe(graph)
+    assert "pool=train      tp=1 pp=1 dp=1 rollout pool=rollout" in text
+    assert "(streaming: submitted for 2 iterations ahead before this one's updates)" in text
+    assert _residents(graph, "rollout") == ["actor (rollout)"]
+    assert _residents(graph, "train") == ["actor", "ref", "reward"]
+    assert draw(graph, tmp_path / "dag.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize(
     "overrides, field, words",
     [

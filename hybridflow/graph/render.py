@@ -73,6 +73,10 @@ def draw(graph: Graph, out: str | Path) -> Path:
         n: (f"{n}\n{graph.node(n).op} on {graph.node(n).model}" if n in pool_of else "prompts")
         for n in dag
     }
+    mode = graph.spec.trainer.async_
+    for node in generation_nodes(graph) if mode.mode != "sync" else []:  # the pipelining
+        ahead = 1 if mode.mode == "one_step_off" else mode.max_staleness
+        labels[node.name] += f"\n({mode.mode}, {ahead} ahead)"
     for node in graph.nodes:  # a filter says what it re-runs (the refill is no edge: acyclic)
         if graph.op(node).refills:
             again = ", ".join(n.name for n in refilled_nodes(graph, node))
@@ -92,7 +96,7 @@ def draw(graph: Graph, out: str | Path) -> Path:
             ax=ax, font_size=6, connectionstyle=style,
         )
     ax.legend(
-        handles=[Patch(color=pool_colour[p], label=f"pool {p}: {', '.join(graph.models_on(p))}")
+        handles=[Patch(color=pool_colour[p], label=f"pool {p}: {', '.join(_residents(graph, p))}")
                  for p in pools],
         loc="upper left", fontsize=8, frameon=False,
     )
@@ -104,3 +108,8 @@ def draw(graph: Graph, out: str | Path) -> Path:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def _residents(graph: Graph, pool: str) -> list[str]:
+    """What a pool's workers hold: its models, and standalone rollout engines."""
+    return graph.models_on(pool) + [f"{m} (rollout)" for m in graph.rollouts_on(pool)]
