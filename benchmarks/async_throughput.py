@@ -124,7 +124,8 @@ def main(argv=None) -> int:
     print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     print(table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        settings = {**vars(args), "json": Path(args.json).name}  # no path of this machine in the file
+        Path(args.json).write_text(json.dumps({"args": settings, "results": results}, indent=1))
     return 0
 
 
