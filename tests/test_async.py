@@ -247,40 +247,18 @@ def test_one_step_off_worker_crash_trains_each_batch_once(ray_session, tmp_path)
     workers restart, the run goes back to iteration 2, drops the buffered generation and draws
     its prompts again. Every iteration trains the dataset's next batch: the logged samples of
     iteration i answer prompts of the i-th batch, and the final checkpoint counts 5 batches."""
-    import os
-    import signal
-    import threading
+    from checkpoint_harness import assert_each_batch_trained_once, kill_worker_after
 
-    import ray
-
-    from hybridflow.controller.checkpoint import checkpoint_dir, load_controller_state
     from hybridflow.controller.trainer import Trainer
 
     small = [*SMALL, "trainer.iterations=5", "trainer.save_interval=2", "trainer.max_restarts=1",
              "trainer.sample_interval=1", "trainer.async.mode=one_step_off"]
     trainer = Trainer(load_graph(GRPO, small), run_dir=str(tmp_path / "killed"))
-    killed = []
-
-    def kill_during_next_iteration(t, iteration, metrics):
-        if iteration == 3 and not killed:
-            pid = ray.get(t.groups["default"].workers[1].__ray_call__.remote(lambda self: os.getpid()))
-            threading.Timer(0.05, os.kill, (pid, signal.SIGKILL)).start()
-            killed.append(pid)
-
-    trainer.callbacks.append(kill_during_next_iteration)
+    trainer.callbacks.append(kill_worker_after(3, pool="default", rank=1))
     assert trainer.fit()["restarts"] == 1
     run_dir = tmp_path / "killed"
     rows = _rows(run_dir)
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]
     # back at 2, the first iteration after the restore regenerates: staleness 0 there
     assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 1.0]
-
-    dataset = trainer.dataset
-    dataset.load_state_dict({"epoch": 0, "position": 0, "next_uid": 0, "num_rows": len(dataset)})
-    batches = [set(dataset.next_batch().get(K.PROMPT_TEXT).tolist()) for _ in range(5)]
-    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert sorted({s["iteration"] for s in samples}) == [1, 2, 3, 4, 5]
-    for sample in samples:
-        assert sample["prompt"] in batches[sample["iteration"] - 1], sample
-    state = load_controller_state(checkpoint_dir(run_dir, 5))["dataset"]
-    assert (state["position"], state["next_uid"]) == (5 * 4, 5 * 4)
+    assert_each_batch_trained_once(trainer, run_dir, iterations=5, prompts_per_iteration=4)

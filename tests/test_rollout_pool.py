@@ -189,41 +189,18 @@ def test_a_rollout_worker_killed_on_the_split_recovers_and_trains_each_batch_onc
     """SIGKILL of the rollout pool's worker during iteration 4 (one_step_off, checkpoint at 2):
     every group restarts, the rollout pool takes the restored weights, the buffered generation
     is drawn again, and iteration i trains the dataset's i-th batch."""
-    import os
-    import signal
-    import threading
+    from checkpoint_harness import assert_each_batch_trained_once, kill_worker_after
 
-    import ray
-
-    from hybridflow.controller.checkpoint import checkpoint_dir, load_controller_state
     from hybridflow.controller.trainer import Trainer
-    from hybridflow.data import keys as K
 
     overrides = [*SHORT, "trainer.iterations=5", "trainer.save_interval=2", "trainer.max_restarts=1",
                  "trainer.sample_interval=1"]
     trainer = Trainer(load_graph(SPLIT, overrides), run_dir=str(tmp_path / "killed"))
-    killed = []
-
-    def kill_during_next_iteration(t, iteration, metrics):
-        if iteration == 3 and not killed:
-            pid = ray.get(t.groups["rollout"].workers[0].__ray_call__.remote(lambda self: os.getpid()))
-            threading.Timer(0.05, os.kill, (pid, signal.SIGKILL)).start()
-            killed.append(pid)
-
-    trainer.callbacks.append(kill_during_next_iteration)
+    trainer.callbacks.append(kill_worker_after(3, pool="rollout", rank=0))
     assert trainer.fit()["restarts"] == 1
     run_dir = tmp_path / "killed"
     rows = _rows(run_dir)
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 1.0]
     assert rows[2]["actor/rollout_log_prob_diff_max"] < 1e-5  # regenerated from the restored weights
-
-    dataset = trainer.dataset
-    dataset.load_state_dict({"epoch": 0, "position": 0, "next_uid": 0, "num_rows": len(dataset)})
-    batches = [set(dataset.next_batch().get(K.PROMPT_TEXT).tolist()) for _ in range(5)]
-    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert sorted({s["iteration"] for s in samples}) == [1, 2, 3, 4, 5]
-    for sample in samples:
-        assert sample["prompt"] in batches[sample["iteration"] - 1], sample
-    state = load_controller_state(checkpoint_dir(run_dir, 5))["dataset"]
-    assert (state["position"], state["next_uid"]) == (5 * 8, 5 * 8)
+    assert_each_batch_trained_once(trainer, run_dir, iterations=5, prompts_per_iteration=8)
