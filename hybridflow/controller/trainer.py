@@ -240,8 +240,7 @@ class Trainer:
             self.dirs.check_resume(self.graph)
         self.dirs.write_resolved_config(self.graph)
         tokenizer.save_pretrained(self.dirs.tokenizer)
-        bound = spec.trainer.async_
-        depth = {"sync": 0, "one_step_off": 1, "streaming": bound.max_staleness}[bound.mode]
+        depth = spec.trainer.async_.ahead
         self.ahead = AheadGeneration(self.graph, self.dataset, self._put, depth) if depth else None
         # Generation ahead: the dataset's position before the buffered generations' prompts.
         self.checkpointer.components.update(dataset=self.ahead or self.dataset, guard=self.nan_guard)

@@ -22,8 +22,9 @@ def describe(graph: Graph) -> str:
         )
     lines.append("nodes (execution order):")
     mode = graph.spec.trainer.async_.mode
-    ahead = {n.name for n in generation_nodes(graph)} if mode != "sync" else set()
-    how_far = "the next iteration" if mode == "one_step_off" else f"{graph.spec.trainer.async_.max_staleness} iterations ahead"
+    depth = graph.spec.trainer.async_.ahead
+    ahead = {n.name for n in generation_nodes(graph)} if depth else set()
+    how_far = "the next iteration" if depth == 1 else f"{depth} iterations ahead"
     for node in graph.nodes:
         waits = sorted({src for src in graph.producers(node).values() if src != SOURCE})
         outputs = _refill_note(graph, node) or ", ".join(node.outputs) or "(update)"
@@ -74,9 +75,8 @@ def draw(graph: Graph, out: str | Path) -> Path:
         for n in dag
     }
     mode = graph.spec.trainer.async_
-    for node in generation_nodes(graph) if mode.mode != "sync" else []:  # the pipelining
-        ahead = 1 if mode.mode == "one_step_off" else mode.max_staleness
-        labels[node.name] += f"\n({mode.mode}, {ahead} ahead)"
+    for node in generation_nodes(graph) if mode.ahead else []:  # the pipelining
+        labels[node.name] += f"\n({mode.mode}, {mode.ahead} ahead)"
     for node in graph.nodes:  # a filter says what it re-runs (the refill is no edge: acyclic)
         if graph.op(node).refills:
             again = ", ".join(n.name for n in refilled_nodes(graph, node))

@@ -711,6 +711,11 @@ class AsyncSpec(Spec):
         "K actor updates (one_step_off needs K >= 1); streaming keeps K generations ahead."
     )
 
+    @property
+    def ahead(self) -> int:
+        """Generations kept queued ahead of training: 0 in sync, 1 one_step_off, K streaming."""
+        return {"sync": 0, "one_step_off": 1, "streaming": self.max_staleness}[self.mode]
+
     @model_validator(mode="after")
     def _bound_allows_mode(self) -> "AsyncSpec":
         if self.mode != "sync" and self.max_staleness < 1:
