@@ -1,6 +1,6 @@
-"""One-step off-policy across two pools vs the synchronous split vs colocated dp = 2 (issue 20).
+"""One-step off-policy and streaming across two pools vs the synchronous split vs colocated dp = 2 (issue 20).
 
-    python benchmarks/async_throughput.py [--seeds 0 1 2] [--iterations 150] [--json FILE] [overrides...]
+    python benchmarks/async_throughput.py [--seeds 0 1 2] [--iterations 150] [--modes ...] [--json FILE] [overrides...]
 
 Four ways to run the same GRPO workload (``graphs/grpo_split_rollout.yaml``: the copy task,
 tiny model, 16 prompts x 16 samples, token TIS at C = 2) on two CPU ranks:
@@ -10,6 +10,11 @@ tiny model, 16 prompts x 16 samples, token TIS at C = 2) on two CPU ranks:
 - ``one_step_off``: the same pools, generation k+1 on ``rollout`` during update k on ``train``
   (streaming with K = 1);
 - ``streaming_k2``: the same, two generations queued ahead (staleness 2);
+- ``streaming_k1_abort``, ``streaming_k2_abort``, ``streaming_k2_continue``: streaming with
+  partial rollouts (``trainer.async.partial_rollout``): an update's weights reach the generation
+  in flight between two decoding steps, which resumes (abort) or goes on (continue) with them.
+  They need the vLLM rollout (``models.actor.rollout.engine=vllm`` among the overrides) and are
+  left out of the default modes. (Streaming with K = 1 and no partial rollouts is one_step_off.)
 - ``colocated_dp2``: no rollout pool; actor, ref and reward on one pool of two ranks (dp = 2),
   generation and training one after another on both ranks (the hybrid engine).
 
@@ -36,12 +41,16 @@ MODES = {
     "sync_split": ["trainer.async.mode=sync"],
     "one_step_off": ["trainer.async.mode=one_step_off"],  # streaming with K = 1
     "streaming_k2": ["trainer.async.mode=streaming", "trainer.async.max_staleness=2"],
+    "streaming_k1_abort": ["trainer.async.mode=streaming", "trainer.async.max_staleness=1", "trainer.async.partial_rollout=abort"],
+    "streaming_k2_abort": ["trainer.async.mode=streaming", "trainer.async.max_staleness=2", "trainer.async.partial_rollout=abort"],
+    "streaming_k2_continue": ["trainer.async.mode=streaming", "trainer.async.max_staleness=2", "trainer.async.partial_rollout=continue"],
     "colocated_dp2": [
         "trainer.async.mode=sync", "models.actor.rollout.pool=null",
         f"resources={ROOT / 'resource_pools' / 'local_cpu.yaml'}",
         "placement={actor: default, ref: default, reward: default}",
     ],
 }
+PARTIAL = ("streaming_k1_abort", "streaming_k2_abort", "streaming_k2_continue")  # vLLM only
 TRAIN_NODES = ("old_log_prob", "ref_log_prob", "reward", "advantage", "update_actor", "weight_publish")
 
 
@@ -69,6 +78,10 @@ def run(mode: str, seed: int, args: argparse.Namespace) -> dict:
         "mode": mode, "seed": seed, "iteration_s": iteration, "its_per_s": 1.0 / iteration,
         "G_s": generate, "T_s": train, "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
         "staleness_mean": statistics.mean(r.get("async/staleness_mean", 0.0) for r in timed),
+        "staleness_last_mean": statistics.mean(r.get("async/staleness_last_mean", 0.0) for r in timed),
+        "partial_samples": statistics.mean(
+            r.get("rollout/partial_resumed", 0.0) + r.get("rollout/partial_continued", 0.0) for r in timed
+        ),
         "weight_sync_s": statistics.median(r.get("timing/weight_sync", 0.0) for r in timed),
         "weight_sync_bytes": rows[-1].get("weight_sync/bytes", 0.0), "wall_s": wall,
     }
@@ -76,15 +89,16 @@ def run(mode: str, seed: int, args: argparse.Namespace) -> dict:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| mode | seed | s/iteration | it/s | x sync split | G s | T s | weight sync s | reward, last 10 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| mode | seed | s/iteration | it/s | x sync split | G s | T s | weight sync s | staleness first / last | reward, last 10 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     base = {r["seed"]: r["its_per_s"] for r in results if r["mode"] == "sync_split"}
     for r in results:
         ratio = r["its_per_s"] / base[r["seed"]] if r["seed"] in base else float("nan")
         lines.append(
             f"| {r['mode']} | {r['seed']} | {r['iteration_s']:.3f} | {r['its_per_s']:.2f} | {ratio:.2f} | "
-            f"{r['G_s']:.3f} | {r['T_s']:.3f} | {r['weight_sync_s']:.4f} | {r['reward_last10']:.3f} |"
+            f"{r['G_s']:.3f} | {r['T_s']:.3f} | {r['weight_sync_s']:.4f} | "
+            f"{r['staleness_mean']:.2f} / {r.get('staleness_last_mean', r['staleness_mean']):.2f} | {r['reward_last10']:.3f} |"
         )
     lines += ["", "| mode | mean it/s | mean x sync split | mean reward, last 10 |", "| --- | --- | --- | --- |"]
     for mode in MODES:
@@ -104,7 +118,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--iterations", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=3, help="iterations left out of the timings")
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=[m for m in MODES if m not in PARTIAL])
     parser.add_argument("--json", metavar="FILE", help="also write the results here")
     parser.add_argument("overrides", nargs="*", help="graph overrides for every mode (key=value)")
     args = parser.parse_args(argv)

@@ -26,7 +26,6 @@ SHORT = [
     "trainer.val_interval=0", "trainer.progress=false", "trainer.save_final=false",
     "trainer.save_interval=0", "trainer.sample_interval=0",
 ]
-SMALL = [*SHORT, "data.prompts_per_iteration=4", "models.actor.rollout.n=4"]  # 16 samples/iteration
 
 
 # -- spec ------------------------------------------------------------------------------------

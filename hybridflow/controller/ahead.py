@@ -15,8 +15,12 @@ weights before update k whatever the pools; on a pool of its own (``rollout.pool
 update's ``rollout_correction``, which weighs by pi_old (recomputed at the trainer's weights)
 over the rollout's log-probs.
 
-Generation here is whole batches: new weights load between two generate calls, never during
-one (no partial rollouts), so every sample comes from one weight version.
+By default generation is whole batches: new weights load between two generate calls, never
+during one, so every sample comes from one weight version. With ``trainer.async.partial_rollout``
+a standalone vLLM rollout takes them between two decoding steps of the generation in flight
+(``ModelWorker.receive_weights`` on the actors' side thread, ``VLLMRolloutEngine.generate_partial``):
+its samples then end on newer weights than they started with (``weight_version_last``), and a
+generation queued behind starts on them, so staleness is at most K and often less.
 
 Checkpoints: the buffered generations are not saved. ``AheadGeneration`` stands in for the
 dataset among the checkpoint's components and reports the dataset's position *before* the

@@ -193,7 +193,10 @@ class Trainer:
             trace_file.parent.mkdir(exist_ok=True)
             trace_file.write_text(json.dumps(chrome_trace(result.timeline, iteration)))
         metrics = {"iteration": iteration, **result.metrics}
-        metrics.update(self._sync_standalone_rollouts(keep=self.ahead.queued if self.ahead else 0))
+        # Loads queue behind the generations ahead; with partial rollouts they run beside them
+        # and are waited for, so that every generation submitted later starts on them (or newer).
+        partial = self.spec.trainer.async_.partial_rollout != "off"
+        metrics.update(self._sync_standalone_rollouts(keep=self.ahead.queued if self.ahead and not partial else 0))
         metrics["timing/iteration"] = time.perf_counter() - t0
         tokens = metrics.get("rollout/num_tokens", 0.0)
         metrics["throughput/tokens_per_s"] = tokens / metrics["timing/iteration"]

@@ -526,33 +526,37 @@ class VLLMRolloutEngine(RolloutEngine):
             tokens.append([])
             log_probs.append([])
             add(row)
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                row = live.get(output.request_id)
-                if row is None:  # an aborted request's last output
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    row = live.get(output.request_id)
+                    if row is None:  # an aborted request's last output
+                        continue
+                    completion = output.outputs[0]
+                    tokens[row].extend(completion.token_ids)
+                    log_probs[row].extend(pos[tok].logprob for tok, pos in zip(completion.token_ids, completion.logprobs))
+                    if output.finished:
+                        del live[output.request_id]
+                weights = updates.poll()
+                if weights is None:
                     continue
-                completion = output.outputs[0]
-                tokens[row].extend(completion.token_ids)
-                log_probs[row].extend(pos[tok].logprob for tok, pos in zip(completion.token_ids, completion.logprobs))
-                if output.finished:
-                    del live[output.request_id]
-            weights = updates.poll()
-            if weights is None:
-                continue
-            in_flight = sorted(live.values())
-            if updates.mode == "abort" and live:
-                engine.abort_request(list(live))
-                live.clear()
-            self.load_weights(weights)  # in "continue" the prefix cache is reset once all are done
-            applied += 1
-            for row in in_flight:
-                loads[row] += 1
+                in_flight = sorted(live.values())
+                if updates.mode == "abort" and live:
+                    engine.abort_request(list(live))
+                    live.clear()
+                self.load_weights(weights)  # in "continue" the prefix cache is reset once all are done
+                applied += 1
+                for row in in_flight:
+                    loads[row] += 1
+                    if updates.mode == "abort":
+                        add(row)
                 if updates.mode == "abort":
-                    add(row)
-            if updates.mode == "abort":
-                updates.resumed += len(in_flight)
-            else:
-                updates.continued += len(in_flight)
+                    updates.resumed += len(in_flight)
+                else:
+                    updates.continued += len(in_flight)
+        except BaseException:
+            engine.abort_request(list(live))  # the engine must not keep them for the next call
+            raise
         if applied:
             self.llm.reset_prefix_cache()  # prompt blocks cached before a load, by old weights
         return list(zip(tokens, log_probs)), loads

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -247,7 +248,7 @@ class ModelWorker(Worker):
             version, buckets = staged
             versions.append(version)
             self.rollout_versions[model] = version
-            return (item for bucket in buckets for item in bucket.items())
+            return _bucket_items(buckets)
 
         return WeightUpdates(poll=poll, mode=mode)
 
@@ -260,7 +261,7 @@ class ModelWorker(Worker):
         staged = self._take_staged(model)
         if staged is not None:
             version, buckets = staged
-            self.rollout_engines[model].load_weights(item for bucket in buckets for item in bucket.items())
+            self.rollout_engines[model].load_weights(_bucket_items(buckets))
             self.rollout_versions[model] = version
 
     def generate_multi_turn(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
@@ -559,10 +560,11 @@ class ModelWorker(Worker):
     def receive_weights(self, *, model: str, published: list) -> dict[str, float]:
         """Load what rank 0 of the training pool published (``published``: ``[ref]``, the ref
         of its ``publish_weights`` result) into ``model``'s rollout engine, fetching one
-        bucket at a time into one load (a vLLM engine takes whole weight sets); later samples carry the published version. With partial rollouts this runs on
-        the actor's side thread, beside a generation: it fetches the buckets and leaves them
-        for the generation to load between two decoding steps (or the next one to load first),
-        newer weights replacing ones not loaded yet."""
+        bucket at a time into one load (a vLLM engine takes whole weight sets); later samples
+        carry the published version. With partial rollouts this runs on the actor's side
+        thread, beside a generation: it fetches the buckets and leaves them for the generation
+        to load between two decoding steps (or the next one to load first), newer weights
+        replacing ones not loaded yet."""
         start = time.perf_counter()
         (offer,) = ray.get(published)
         if self.spec.trainer.async_.partial_rollout != "off":
@@ -659,6 +661,11 @@ class ModelWorker(Worker):
             return loss, metrics
 
         return loss_fn
+
+
+def _bucket_items(buckets: list[dict]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs of published weight buckets, as one set for one load."""
+    return (item for bucket in buckets for item in bucket.items())
 
 
 def _generation_tp(train: ParallelLayout, tp: int, rank: int, seed: int) -> dict[str, Any]:
