@@ -50,6 +50,8 @@ def test_graph_pictures_show_the_rollout_pool_and_how_far_ahead(tmp_path):
     assert _residents(graph, "rollout") == ["actor (rollout)"]
     assert _residents(graph, "train") == ["actor", "ref", "reward"]
     assert draw(graph, tmp_path / "dag.png").stat().st_size > 0
+    partial = load_graph(SPLIT, ["trainer.async.partial_rollout=continue", "models.actor.rollout.engine=vllm"])
+    assert "new weights load while it runs, partial rollouts continue)" in describe(partial)
 
 
 @pytest.mark.parametrize(

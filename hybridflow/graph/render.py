@@ -25,6 +25,8 @@ def describe(graph: Graph) -> str:
     depth = graph.spec.trainer.async_.ahead
     ahead = {n.name for n in generation_nodes(graph)} if depth else set()
     how_far = "the next iteration" if depth == 1 else f"{depth} iterations ahead"
+    partial = graph.spec.trainer.async_.partial_rollout
+    while_running = f"; new weights load while it runs, partial rollouts {partial}" if partial != "off" else ""
     for node in graph.nodes:
         waits = sorted({src for src in graph.producers(node).values() if src != SOURCE})
         outputs = _refill_note(graph, node) or ", ".join(node.outputs) or "(update)"
@@ -32,7 +34,7 @@ def describe(graph: Graph) -> str:
             f"  {node.name:<14} {node.op:<10} on {node.model:<8} "
             f"{', '.join(node.inputs) or '-'} -> {outputs}"
             + (f"   waits for: {', '.join(waits)}" if waits else "")
-            + (f"   ({mode}: submitted for {how_far} before this one's updates)" if node.name in ahead else "")
+            + (f"   ({mode}: submitted for {how_far} before this one's updates{while_running})" if node.name in ahead else "")
         )
     return "\n".join(lines)
 
@@ -76,7 +78,8 @@ def draw(graph: Graph, out: str | Path) -> Path:
     }
     mode = graph.spec.trainer.async_
     for node in generation_nodes(graph) if mode.ahead else []:  # the pipelining
-        labels[node.name] += f"\n({mode.mode}, {mode.ahead} ahead)"
+        labels[node.name] += f"\n({mode.mode}, {mode.ahead} ahead"
+        labels[node.name] += f", partial: {mode.partial_rollout})" if mode.partial_rollout != "off" else ")"
     for node in graph.nodes:  # a filter says what it re-runs (the refill is no edge: acyclic)
         if graph.op(node).refills:
             again = ", ".join(n.name for n in refilled_nodes(graph, node))
