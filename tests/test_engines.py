@@ -112,8 +112,8 @@ def test_generate_fields_and_rollout_log_probs_match_training():
     out = rollout.generate(_prompts(), params)
 
     assert out.batch_size == torch.Size([12])
-    # The weight version is the worker's to stamp (it counts the syncs), not the engine's.
-    engine_keys = [k for k in graph_keys()["responses"] if k != K.WEIGHT_VERSION]
+    # The weight versions are the worker's to stamp (it counts the syncs), not the engine's.
+    engine_keys = [k for k in graph_keys()["responses"] if k not in (K.WEIGHT_VERSION, K.WEIGHT_VERSION_LAST)]
     for key in engine_keys + [K.PROMPT_IDS, K.PROMPT_MASK]:
         assert key in out.keys(), key
     assert out[K.RESPONSES].shape == (12, 8) and out[K.INPUT_IDS].shape == (12, 13)
