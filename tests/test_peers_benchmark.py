@@ -180,3 +180,21 @@ def test_fixed_length_hybridflow_iteration(engine, tmp_path):
         trainer.shutdown()
     assert metrics["rollout/num_tokens"] == 2 * 4 * 24
     assert metrics["reward/unfinished_frac"] == 1.0
+
+
+def test_smollm2_flags_reach_the_graph():
+    peers = _peers()
+    args = peers.parse_args(["--model", "smollm2", "--seeds", "0", "1", "2", "--trl-engine", "vllm"])
+    assert (args.prompts, args.samples, args.max_new_tokens, args.lr, args.temperature) == (4, 8, 32, 3e-5, 0.7)
+    assert args.trl_engine == "vllm" and args.hidden_size is None
+    spec = peers.peers_graph(args, 1).spec
+    actor = spec.models["actor"]
+    assert actor.source.package == peers.SMOLLM2 and actor.train.share_prompts
+    assert (actor.rollout.n, actor.rollout.temperature, actor.train.optim.lr) == (8, 0.7, 3e-5)
+    assert spec.data.source == "builtin:arith_words" and spec.data.system_prompt == peers.SMOLLM2_SYSTEM_PROMPT
+    assert (spec.data.prompts_per_iteration, spec.data.max_response_length, spec.data.seed) == (4, 32, 1)
+    score = next(n for n in spec.nodes if n.op == "score").options
+    assert score.unfinished == "keep"
+    # The tiny model's shape flags mean nothing for SmolLM2: refused, not ignored.
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--model", "smollm2", "--hidden-size", "128"])
