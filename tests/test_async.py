@@ -95,6 +95,21 @@ def test_is_weights_scale_the_policy_loss_per_token():
     assert metrics["pg_loss"] == pytest.approx((-2 - 0.5 + 0.5) / 3)
 
 
+def test_the_update_reports_the_entropy_when_no_log_prob_node_does():
+    """A log_prob node on the actor reports actor/entropy; without one (no old_log_probs in the
+    batch) the update reports its own forward's, over the valid tokens."""
+    from hybridflow.spec.graph import UpdateOptions
+    from hybridflow.workers.model_worker import ModelWorker
+
+    loss_fn = ModelWorker._policy_loss(UpdateOptions())
+    mb, out = _micro_batch()
+    out["entropy"] = torch.tensor([[1.0, 2.0], [3.0, 9.0]])  # 9: a padding token
+    _, metrics = loss_fn(mb, out)
+    assert "entropy" not in metrics
+    _, metrics = loss_fn(mb.exclude(K.OLD_LOG_PROBS), out)
+    assert metrics["entropy"] == pytest.approx((1.0 + 2.0 + 3.0) / 3)
+
+
 def test_old_log_probs_rollout_puts_the_rollout_in_the_ratio():
     from hybridflow.spec.graph import UpdateOptions
     from hybridflow.workers.model_worker import ModelWorker
