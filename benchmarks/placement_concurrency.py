@@ -8,6 +8,11 @@ with ``trainer.serial=true``. Prints the median iteration time (first iteration 
 includes warm-up) and the median time of each node, then a Markdown table for
 benchmarks/RESULTS.md. On a machine with fewer cores than ranks the pools share cores, so the
 gain is bounded by the idle time the overlap can fill; on separate devices it is larger.
+
+graphs/grpo_split.yaml has no old_log_prob node any more (one optimizer step per batch: the
+update's own first forward is pi_old), so nothing on its actor pool runs beside ref_log_prob and
+reward and the two modes should take the same time; give ``--graph`` a split graph whose actor
+has a log_prob node (an update of several optimizer steps) to measure an overlap.
 """
 
 from __future__ import annotations

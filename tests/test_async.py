@@ -20,7 +20,9 @@ from hybridflow.graph.dag import load_graph
 from hybridflow.spec.loading import SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
-GRPO = ROOT / "graphs" / "grpo.yaml"
+GRPO = ROOT / "graphs" / "grpo.yaml"  # no old_log_prob node: one optimizer step per batch
+# grpo.yaml with an old_log_prob node, a token TIS correction and one_step_off
+ASYNC = ROOT / "graphs" / "grpo_async.yaml"
 CORR = "nodes.update_actor.options.rollout_correction"
 SHORT = [
     "trainer.val_interval=0", "trainer.progress=false", "trainer.save_final=false",
@@ -32,7 +34,7 @@ SHORT = [
 
 
 def test_correction_options_load_with_defaults():
-    opts = load_graph(GRPO, [f"{CORR}.reject_level=token"]).node("update_actor").spec.options
+    opts = load_graph(ASYNC, [f"{CORR}={{reject_level: token}}"]).node("update_actor").spec.options
     corr = opts.rollout_correction
     assert (corr.is_level, corr.is_cap, corr.reject_level, corr.reject_low, corr.reject_high) == ("token", 2.0, "token", 0.5, 2.0)
     assert opts.old_log_probs == "recomputed"
@@ -40,27 +42,28 @@ def test_correction_options_load_with_defaults():
 
 
 @pytest.mark.parametrize(
-    "overrides, field",
+    "graph, overrides, field",
     [
-        ([f"{CORR}.is_level=tok"], "nodes[5].options.rollout_correction.is_level"),
-        ([f"{CORR}.reject_low=3"], "nodes[5].options.rollout_correction"),
-        ([f"{CORR}.is_cap=2", "nodes.update_actor.options.old_log_probs=rollout"], "nodes[5].options"),
+        (ASYNC, [f"{CORR}.is_level=tok"], "nodes[5].options.rollout_correction.is_level"),
+        (ASYNC, [f"{CORR}.reject_low=3"], "nodes[5].options.rollout_correction"),
+        (ASYNC, ["nodes.update_actor.options.old_log_probs=rollout"], "nodes[5].options"),
         # pi_old must reach the update: no old_log_probs input, no correction
-        ([f"{CORR}.is_cap=2", "nodes.update_actor.inputs=[responses,ref_log_probs,advantages]"],
+        (ASYNC, ["nodes.update_actor.inputs=[responses,ref_log_probs,advantages]"],
          "nodes[5].options.rollout_correction"),
+        (GRPO, [f"{CORR}.is_cap=2"], "nodes[4].options.rollout_correction"),  # it has no old_log_prob node
     ],
 )
-def test_bad_correction_options_are_one_line(overrides, field):
+def test_bad_correction_options_are_one_line(graph, overrides, field):
     with pytest.raises(SpecError) as info:
-        load_graph(GRPO, overrides)
+        load_graph(graph, overrides)
     message = str(info.value)
-    assert "\n" not in message and f"grpo.yaml: {field}:" in message
+    assert "\n" not in message and f"{graph.name}: {field}:" in message
 
 
 def test_old_log_probs_from_rollout_makes_the_recompute_redundant():
-    graph = load_graph(GRPO, ["nodes.update_actor.options.old_log_probs=rollout", "nodes.update_actor.options.mini_batches=2"])
-    assert "old_log_prob" in graph.redundant_nodes()
-    corrected = load_graph(GRPO, [f"{CORR}.is_cap=2", "nodes.update_actor.options.mini_batches=1"])
+    rollout = [f"{CORR}=null", "nodes.update_actor.options.old_log_probs=rollout", "nodes.update_actor.options.mini_batches=2"]
+    assert "old_log_prob" in load_graph(ASYNC, rollout).redundant_nodes()
+    corrected = load_graph(ASYNC, ["nodes.update_actor.options.mini_batches=1"])
     assert "old_log_prob" not in corrected.redundant_nodes()  # the correction reads it up front
 
 
@@ -93,6 +96,21 @@ def test_is_weights_scale_the_policy_loss_per_token():
     weighted, metrics = loss_fn(*_micro_batch(torch.tensor([[2.0, 0.5], [0.25, 0.0]])))
     assert float(weighted.detach()) == pytest.approx((-2 * 1 - 0.5 * 1 + 0.25 * 2) / 3)
     assert metrics["pg_loss"] == pytest.approx((-2 - 0.5 + 0.5) / 3)
+
+
+def test_the_update_reports_the_entropy_when_no_log_prob_node_does():
+    """A log_prob node on the actor reports actor/entropy; without one (no old_log_probs in the
+    batch) the update reports its own forward's, over the valid tokens."""
+    from hybridflow.spec.graph import UpdateOptions
+    from hybridflow.workers.model_worker import ModelWorker
+
+    loss_fn = ModelWorker._policy_loss(UpdateOptions())
+    mb, out = _micro_batch()
+    out["entropy"] = torch.tensor([[1.0, 2.0], [3.0, 9.0]])  # 9: a padding token
+    _, metrics = loss_fn(mb, out)
+    assert "entropy" not in metrics
+    _, metrics = loss_fn(mb.exclude(K.OLD_LOG_PROBS), out)
+    assert metrics["entropy"] == pytest.approx((1.0 + 2.0 + 3.0) / 3)
 
 
 def test_old_log_probs_rollout_puts_the_rollout_in_the_ratio():
@@ -203,7 +221,7 @@ def test_one_step_off_with_rollout_correction_survives_a_worker_crash(ray_sessio
                  f"{CORR}.is_level=token", f"{CORR}.is_cap=2.0",
                  f"{CORR}.reject_level=geometric", f"{CORR}.reject_low=0.5", f"{CORR}.reject_high=2.0"]
     run_dir = tmp_path / "killed"
-    trainer = Trainer(load_graph(GRPO, overrides), run_dir=str(run_dir))
+    trainer = Trainer(load_graph(ASYNC, overrides), run_dir=str(run_dir))
     trainer.callbacks.append(kill_worker_after(3, pool="default", rank=1))
     assert trainer.fit()["restarts"] == 1
     rows = _rows(run_dir)

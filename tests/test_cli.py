@@ -160,7 +160,7 @@ def test_batch_plan_totals():
     "override, field",
     [
         ("data.prompts_per_iteration=3", "data.prompts_per_iteration"),
-        ("nodes.update_actor.options.mini_batches=3", "nodes[5].options.mini_batches"),
+        ("nodes.update_actor.options.mini_batches=3", "nodes[4].options.mini_batches"),
     ],
 )
 def test_batch_sizes_that_do_not_divide_are_one_line(override, field):
@@ -193,7 +193,7 @@ def test_run_into_a_dir_that_holds_a_run_is_refused(tmp_path, capsys, monkeypatc
 def test_validate_applies_overrides_to_every_file(capsys):
     """Arguments with '=' are overrides (as for `run`), applied to each graph file given."""
     assert main(["validate", "graphs/grpo.yaml", "models.actor.rollout.engine=vllm"]) == 0
-    assert capsys.readouterr().out == "graphs/grpo.yaml: ok (6 nodes, 3 models)\n"
+    assert capsys.readouterr().out == "graphs/grpo.yaml: ok (5 nodes, 3 models)\n"
     files = ["graphs/grpo.yaml", "graphs/rloo.yaml"]
     assert main(["validate", *files, "trainer.iterations=3"]) == 0
     # An override every file rejects: the first file names it (applied, not taken for a file).

@@ -42,7 +42,7 @@ def test_consumers_go_ahead_and_compute_the_same(ray_session, tmp_path):
             assert fast.metrics[key] == slow.metrics[key], key
         out = fast.outputs
         # Every consumer of generate was submitted before the controller saw generate finish.
-        for name in ("old_log_prob", "ref_log_prob", "reward", "advantage", "update_actor"):
+        for name in ("ref_log_prob", "reward", "advantage", "update_actor"):
             assert out[name].started < out["generate"].finished, name
         assert out["update_actor"].started < out["advantage"].finished
         # Serial: each node after the previous one finished.
@@ -55,6 +55,6 @@ def test_uneven_batches_wait_for_their_producers(ray_session, tmp_path):
     rank is padded, its real row count is only known when it returns, so consumers wait."""
     (result,) = _iterations(tmp_path, "uneven", ["data.prompts_per_iteration=4"], serial=False, count=1, take=3)
     out = result.outputs
-    for name in ("old_log_prob", "ref_log_prob", "reward"):
+    for name in ("ref_log_prob", "reward"):
         assert out[name].started >= out["generate"].finished, name
         assert out[name].data.total == 3 * 16

@@ -13,6 +13,8 @@ from hybridflow.graph.dag import load_graph
 from hybridflow.graph.library import ALGORITHMS
 from hybridflow.spec.loading import SpecError, apply_overrides, load_graph_spec
 
+from graph_variants import with_old_log_prob
+
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "graphs" / "grpo.yaml"
 
@@ -36,7 +38,6 @@ def test_shipped_graph_is_valid_and_ordered():
     assert names[0] == "generate" and names[-1] == "update_actor"
     assert graph.producers(graph.node("update_actor")) == {
         "responses": "generate",
-        "old_log_probs": "old_log_prob",
         "ref_log_probs": "ref_log_prob",
         "advantages": "advantage",
     }
@@ -49,22 +50,22 @@ def test_shipped_graph_is_valid_and_ordered():
         # cycle
         (lambda r: node(r, "generate").update(inputs=["prompts", "advantages"]), "nodes", "cycle"),
         # key nobody produces
-        (lambda r: node(r, "advantage").update(inputs=["responses", "values"]), "nodes[4].inputs", "produced by no node"),
+        (lambda r: node(r, "advantage").update(inputs=["responses", "values"]), "nodes[3].inputs", "produced by no node"),
         # key produced twice
-        (lambda r: node(r, "ref_log_prob").update(outputs=["old_log_probs"]), "nodes[2].outputs", "already produced"),
+        (lambda r: node(r, "reward").update(outputs=["ref_log_probs"]), "nodes[2].outputs", "already produced"),
         # op the role cannot do
         (lambda r: node(r, "generate").update(model="ref"), "nodes[0].op", "a ref cannot generate"),
-        (lambda r: r["nodes"].append({"name": "u", "op": "update", "model": "ref", "inputs": ["responses"]}), "nodes[6].op", "a ref cannot update"),
+        (lambda r: r["nodes"].append({"name": "u", "op": "update", "model": "ref", "inputs": ["responses"]}), "nodes[5].op", "a ref cannot update"),
         # unknown field
         (lambda r: r["models"]["actor"]["rollout"].update(nn=3), "models.actor.rollout.nn", "unknown field"),
-        (lambda r: node(r, "update_actor")["options"].update(clip=0.1), "nodes[5].options.clip", "unknown field"),
+        (lambda r: node(r, "update_actor")["options"].update(clip=0.1), "nodes[4].options.clip", "unknown field"),
         # layout that does not divide its pool
         (lambda r: r["models"]["actor"]["train"].update(layout={"tp": 3}), "models.actor.train.layout", "does not divide"),
         (lambda r: r["models"]["actor"]["train"].update(layout={"dp": 4}), "models.actor.train.layout", "pool has 2 devices"),
         # other mistakes a user makes
         (lambda r: node(r, "generate").update(op="sample"), "nodes[0]", "unknown op 'sample'"),
         (lambda r: r["placement"].update(actor="gpus"), "placement.actor", "unknown pool 'gpus'"),
-        (lambda r: node(r, "reward").update(model="rm"), "nodes[3].model", "unknown model 'rm'"),
+        (lambda r: node(r, "reward").update(model="rm"), "nodes[2].model", "unknown model 'rm'"),
         (lambda r: r["models"]["actor"].update(source={"config": {}, "path": "x"}), "models.actor.source", "exactly one"),
         (lambda r: r["models"]["actor"]["rollout"].update(temperature=-1), "models.actor.rollout.temperature", "greater than 0"),
     ],
@@ -139,7 +140,7 @@ def test_validate_cli_exit_codes(tmp_path):
     )
     assert broken.returncode == 2
     assert broken.stderr.count("\n") == 1 and "Traceback" not in broken.stderr
-    assert f"{bad}: nodes[4].inputs" in broken.stderr
+    assert f"{bad}: nodes[3].inputs" in broken.stderr
     yaml_error = tmp_path / "bad.yaml"
     yaml_error.write_text("name: [unclosed\n")
     out = subprocess.run(
@@ -163,15 +164,23 @@ def test_validation_imports_no_heavy_packages():
 
 
 def test_old_log_prob_node_is_flagged_redundant_only_at_one_step_per_batch():
-    """grpo.yaml's old_log_prob feeds an update of one mini-batch and one epoch: redundant. More
-    optimizer steps, or another reader of old_log_probs (KL in the reward), make it needed."""
-    assert list(load_graph(GRPO).redundant_nodes()) == ["old_log_prob"]
-    assert load_graph(GRPO, ["nodes.update_actor.options.mini_batches=2"]).redundant_nodes() == {}
-    assert load_graph(GRPO, ["nodes.update_actor.options.epochs=2"]).redundant_nodes() == {}
+    """An old_log_prob node feeding grpo.yaml's update of one mini-batch and one epoch is
+    redundant (so the file leaves it out). More optimizer steps, or another reader of
+    old_log_probs (KL in the reward), make it needed."""
+    assert list(with_old_log_prob(GRPO).redundant_nodes()) == ["old_log_prob"]
+    assert with_old_log_prob(GRPO, ["nodes.update_actor.options.mini_batches=2"]).redundant_nodes() == {}
+    assert with_old_log_prob(GRPO, ["nodes.update_actor.options.epochs=2"]).redundant_nodes() == {}
     assert load_graph(ROOT / "graphs" / "ppo.yaml").redundant_nodes() == {}
     kl_in_reward = ["nodes.advantage.inputs=[responses, scores, old_log_probs, ref_log_probs]",
                     "nodes.advantage.options.kl_coef=0.01"]
-    assert load_graph(GRPO, kl_in_reward).redundant_nodes() == {}
+    assert with_old_log_prob(GRPO, kl_in_reward).redundant_nodes() == {}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "graphs").glob("*.yaml")), ids=lambda p: p.name)
+def test_no_shipped_graph_has_a_redundant_node(path):
+    """Where the update's own first forward gives pi_old, the shipped graphs leave the
+    old_log_prob node out (a forward per iteration saved, the same numbers)."""
+    assert load_graph(path).redundant_nodes() == {}
 
 
 def test_the_updates_first_forward_gives_the_old_log_probs():

@@ -43,7 +43,7 @@ def test_grpo_megatron_tp2_trains_and_syncs(ray_session, tmp_path):
         assert row["actor/skipped_step"] == 0.0
     # Generation samples from the weights megatron just trained: after every update the resharder
     # gathers the generation shard (the full model at tg = 1) into the rollout model, so the rollout's log-probs
-    # equal the training forward's (old_log_prob node) up to float32 noise.
+    # equal the training forward's (the update's first forward) up to float32 noise.
     assert all(r["actor/rollout_log_prob_diff_max"] < 1e-4 for r in rows)
     assert rows[0]["actor/kl"] < 1e-6  # actor (megatron) == ref (torch) before any update
     # The weights reach the rollout model through the resharder (tg = pg = 1, t = 2, p = 1: one

@@ -47,7 +47,7 @@ def test_graph_keys_are_the_fields_their_producers_write():
 @pytest.mark.parametrize(
     "builder, node, edit, expected",
     [
-        (grpo, "advantage", {"inputs": ["responses", "old_log_probs"]}, "needs one score key (scores or costs)"),
+        (grpo, "advantage", {"inputs": ["responses", "ref_log_probs"]}, "needs one score key (scores or costs)"),
         (grpo, "advantage", {"outputs": ["advantages", "cost_advantages"]}, "at most one advantage key"),
         (ppo, "update_critic", {"inputs": ["responses", "advantages"]}, "needs one values key"),
     ],
@@ -103,7 +103,7 @@ def test_a_registered_op_is_validated_like_a_built_in_one(length_bonus_op):
     assert node.outputs == ("bonus",) and node.spec.options.scale == 0.5
     with pytest.raises(SpecError, match="cannot length_bonus"):
         grpo().node("bonus", "length_bonus", model="actor").build()
-    with pytest.raises(SpecError, match=r"nodes\[6\].options.scale: Input should be a valid number"):
+    with pytest.raises(SpecError, match=r"nodes\[5\].options.scale: Input should be a valid number"):
         grpo().node("bonus", "length_bonus", model="reward", scale="big").build()
     assert "length_bonus" in str(GraphSpec.model_json_schema())
 

@@ -15,7 +15,6 @@ import pytest
 import ray
 
 from hybridflow.data.tasks import get_task
-from hybridflow.graph.dag import load_graph
 from hybridflow.placement.pools import ResourcePool
 from hybridflow.spec.layout import ParallelLayout
 from hybridflow.spec.pool import PoolSpec
@@ -107,8 +106,11 @@ def _rss(group: WorkerGroup) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_colocated_process_uses_less_memory_than_two_single_role_ones(ray_session, tmp_path):
-    # One-rank pools, as the groups below: the graph's layouts are dp = 1.
-    graph = load_graph(
+    from graph_variants import with_old_log_prob
+
+    # One-rank pools, as the groups below: the graph's layouts are dp = 1. An actor log_prob node
+    # (grpo.yaml has none: one optimizer step per batch) gives the actor a forward like the ref's.
+    graph = with_old_log_prob(
         ROOT / "graphs/grpo.yaml", BIGGER + ["data.prompts_per_iteration=2"], ROOT / "benchmarks/one_rank_pool.yaml"
     )
     task = get_task("copy")

@@ -6,11 +6,11 @@ One GRPO iteration, as the shipped graph draws it (``hybridflow graph graphs/grp
        |
     generate      on actor pool   prompts            -> responses       (n samples / prompt)
        |---------------.-------------------.
-    old_log_prob     ref_log_prob         reward      each waits for generate only
+       |             ref_log_prob         reward      each waits for generate only
        |               |                   |
        |               |               advantage      waits for reward
        '---------------+-------------------'
-                 update_actor             waits for all four; syncs weights to the rollout
+                 update_actor             waits for all three; syncs weights to the rollout
 
 The executor submits every node whose producers have finished, then waits for the next node to
 finish. Nodes on disjoint pools therefore overlap; nodes sharing a pool queue on the same Ray

@@ -3,7 +3,7 @@
 One iteration (``fit`` -> ``_iterate`` -> ``step``), for any graph; grpo.yaml's nodes shown::
 
     dataset.next_batch() --prompts--> run_nodes(graph): every node starts once its inputs exist
-                                        generate --responses--> old_log_prob, ref_log_prob, reward
+                                        generate --responses--> ref_log_prob, reward
                                         reward --scores--> advantage --advantages--> update_actor
                                         (nodes on disjoint pools run at once, on one pool in turn;
                                          outputs stay in the object store as futures)

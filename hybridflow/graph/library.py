@@ -31,9 +31,10 @@ def _policy_models(g: GraphBuilder, source: dict, n: int, reward_fn: str) -> Non
     g.model("reward", role="reward", source={"rule": reward_fn})
 
 
-def _rollout_nodes(g: GraphBuilder) -> None:
+def _rollout_nodes(g: GraphBuilder, old_log_prob: bool = True) -> None:
     g.node("generate", "generate", model="actor", inputs=["prompts"], outputs=["responses"])
-    g.node("old_log_prob", "log_prob", model="actor", inputs=["responses"], outputs=["old_log_probs"])
+    if old_log_prob:
+        g.node("old_log_prob", "log_prob", model="actor", inputs=["responses"], outputs=["old_log_probs"])
     g.node("ref_log_prob", "log_prob", model="ref", inputs=["responses"], outputs=["ref_log_probs"])
     g.node("reward", "score", model="reward", inputs=["responses"], outputs=["scores"])
 
@@ -48,11 +49,12 @@ def _group_relative(name: str, estimator: str, n: int, kl_coef: float, reward_fn
     g = GraphBuilder(name, resources=POOL_FILE)
     _policy_models(g, source or TINY_SOURCE, n, reward_fn)
     g.place({"actor": "default", "ref": "default", "reward": "default"})
-    _rollout_nodes(g)
+    # No old_log_prob node: one optimizer step per batch, so the update's own first forward is pi_old.
+    _rollout_nodes(g, old_log_prob=False)
     g.node("advantage", "advantage", model="actor", inputs=["responses", "scores"],
            outputs=["advantages"], estimator=estimator, **estimator_options)
     g.node("update_actor", "update", model="actor",
-           inputs=["responses", "old_log_probs", "ref_log_probs", "advantages"], outputs=[],
+           inputs=["responses", "ref_log_probs", "advantages"], outputs=[],
            clip_ratio=0.2, kl_coef=kl_coef, kl_estimator="k3", mini_batches=1)
     _copy_data(g, 16)
     return g

@@ -639,6 +639,8 @@ class ModelWorker(Worker):
             if K.ROLLOUT_IS_WEIGHTS in mb.keys():  # rollout correction: policy term only
                 loss_mat = loss_mat * mb[K.ROLLOUT_IS_WEIGHTS]
             metrics["pg_loss"] = float(agg_loss(loss_mat.detach(), response_mask))
+            if K.OLD_LOG_PROBS not in mb.keys():  # no log_prob node on the actor to report it
+                metrics["entropy"] = float(masked_mean(out["entropy"].detach(), response_mask))
             if opts.kl_coef > 0:
                 kl = kl_penalty(log_probs, mb[K.REF_LOG_PROBS], opts.kl_estimator, opts.kl_bound)
                 loss_mat = loss_mat + opts.kl_coef * kl
