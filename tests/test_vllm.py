@@ -145,6 +145,35 @@ class VLLMProbeWorker(Worker):
 
 
     @register(Dispatch.ONE_TO_ALL)
+    def decoding_steps(self, *, prompts: int, n: int, max_new: int) -> dict:
+        """Engine steps of one generate call of ``prompts`` x ``n`` samples of ``max_new`` tokens
+        each, on an engine built as workers build theirs (``max_num_seqs`` = the samples) and on
+        the probe's own (vLLM's default cap)."""
+        from hybridflow.engines.vllm_rollout import VLLMRolloutEngine
+
+        built = VLLMRolloutEngine.build(self.module, self.tokenizer, max_model_len=16, max_num_seqs=prompts * n, seed=0)
+        batch = _prompts(self.tokenizer, ["abc=", "hhgfe=", "d="] * (prompts // 3))
+        params = SamplingParams(n=n, max_new_tokens=max_new, min_new_tokens=max_new)
+        steps = {}
+        for name, engine in (("built", built), ("default", self.vllm)):
+            core, calls = engine.llm.llm_engine, [0]
+            step = core.step
+
+            def counted(step=step, calls=calls):
+                calls[0] += 1
+                return step()
+
+            core.step = counted
+            try:
+                out = engine.generate(batch, params)
+            finally:
+                del core.step
+            steps[name] = calls[0]
+            steps[f"{name}_tokens"] = int(out[K.RESPONSE_MASK].sum())
+        steps["max_num_seqs"] = built.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        return steps
+
+    @register(Dispatch.ONE_TO_ALL)
     def switch_weights(self, *, mode: str, after_steps: int) -> dict:
         """Partial rollouts: 3 prompts x 2 samples of MAX_NEW tokens (EOS not before) from the
         train engine's weights, ``self.other``'s offered after ``after_steps`` decoding steps;
@@ -175,6 +204,16 @@ class VLLMProbeWorker(Worker):
         back = self._greedy(_prompts(self.tokenizer, ["abc=", "d="]))
         result["back_diff"] = float((back["vllm_lp"] - back["train_lp"]).abs().max())
         return result
+
+
+def test_every_sample_of_an_iteration_decodes_at_once(cpu_probe):
+    """vLLM caps a decoding step at 256 sequences on CPU by default; the engine workers build
+    lifts the cap to an iteration's samples, so 300 samples take one round of steps, not two."""
+    result = ray.get(cpu_probe.call("decoding_steps", prompts=30, n=10, max_new=4))[0]
+    assert result["max_num_seqs"] == 300
+    assert result["built_tokens"] == result["default_tokens"] == 300 * 4
+    assert result["built"] <= 5, result  # a prefill step, then 3 decoding steps
+    assert result["default"] > result["built"], result
 
 
 def _plain_log_probs(module, batch: TensorDict) -> torch.Tensor:

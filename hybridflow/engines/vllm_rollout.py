@@ -291,6 +291,7 @@ class VLLMRolloutEngine(RolloutEngine):
         dtype: str = "float32",
         temperature: float = 1.0,
         kv_cache_bytes: int = 64 << 20,
+        max_num_seqs: int | None = None,
         gpu_memory_utilization: float = 0.3,
         progress: bool = False,
         adapter_config: dict[str, Any] | None = None,
@@ -325,6 +326,15 @@ class VLLMRolloutEngine(RolloutEngine):
             if self.on_gpu
             else dict(kv_cache_memory_bytes=kv_cache_bytes)
         )
+        # vLLM decodes at most max_num_seqs sequences per step (256 by default on CPU); the samples
+        # of an iteration beyond it wait for a second round of decoding steps. The KV cache is sized
+        # for the whole iteration, so every sample runs at once. vLLM also caps the sequences of a
+        # step at its token budget (4096 on CPU), raised here only when the sequences need more.
+        batching: dict[str, int] = {}
+        if max_num_seqs is not None:
+            batching["max_num_seqs"] = max_num_seqs
+            if max_num_seqs > 4096:
+                batching["max_num_batched_tokens"] = max_num_seqs
         # LoRA: vLLM holds the base weights and one adapter slot; every sync loads the adapters
         # under a new id (an id already loaded is not read again) and drops the previous one.
         self.adapter_config = adapter_config
@@ -344,6 +354,7 @@ class VLLMRolloutEngine(RolloutEngine):
             enforce_eager=True,
             disable_log_stats=True,
             **memory,
+            **batching,
             **lora,
             **parallel,
         )
@@ -390,6 +401,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 seed=seed,
                 dtype=str(module.dtype).removeprefix("torch."),
                 kv_cache_bytes=kv_cache_bytes_for(module.config, max_num_seqs, max_model_len),
+                max_num_seqs=max_num_seqs,
                 temperature=temperature,
                 adapter_config=adapter_config,
                 tokenizer=tokenizer,
