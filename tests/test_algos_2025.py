@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from torch.testing import assert_close
 
 from hybridflow.algos import (
@@ -138,7 +139,8 @@ def test_validate_refuses_group_estimators_at_one_sample_per_prompt(graph, overr
     assert done.returncode == 2, (done.stdout, done.stderr)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
-    assert lines[0].startswith(f"error: graphs/{graph}.yaml: nodes[4].options.estimator: ")
+    index = [n["name"] for n in yaml.safe_load((ROOT / "graphs" / f"{graph}.yaml").read_text())["nodes"]].index("advantage")
+    assert lines[0].startswith(f"error: graphs/{graph}.yaml: nodes[{index}].options.estimator: ")
     assert "1 sample per prompt" in lines[0] and "rollout.n >= 2" in lines[0]
 
 

@@ -206,10 +206,13 @@ class VLLMProbeWorker(Worker):
         return result
 
 
-def test_every_sample_of_an_iteration_decodes_at_once(cpu_probe):
+def test_every_sample_of_an_iteration_decodes_at_once(ray_session):
     """vLLM caps a decoding step at 256 sequences on CPU by default; the engine workers build
-    lifts the cap to an iteration's samples, so 300 samples take one round of steps, not two."""
-    result = ray.get(cpu_probe.call("decoding_steps", prompts=30, n=10, max_new=4))[0]
+    lifts the cap to an iteration's samples, so 300 samples take one round of steps, not two.
+    A probe of its own: the second vLLM engine it builds tears down the parallel state the
+    probe's first engine lives on, when it goes."""
+    with _probe_group("cpu") as group:
+        result = ray.get(group.call("decoding_steps", prompts=30, n=10, max_new=4))[0]
     assert result["max_num_seqs"] == 300
     assert result["built_tokens"] == result["default_tokens"] == 300 * 4
     assert result["built"] <= 5, result  # a prefill step, then 3 decoding steps
