@@ -63,6 +63,9 @@ def test_workload_flags_reach_the_graph():
     assert (actor.rollout.n, actor.rollout.engine, actor.train.optim.lr) == (5, "vllm", 3e-4)
     assert (spec.data.prompts_per_iteration, spec.data.max_response_length) == (6, 12)
     assert spec.trainer.seed == spec.data.seed == 2 and args.seeds == [1, 2]
+    assert actor.train.compute_dtype == "float32"
+    bf16 = peers.peers_graph(peers.parse_args(["--bf16"]), 0).spec.models["actor"]
+    assert (bf16.train.compute_dtype, bf16.train.dtype) == ("bfloat16", "float32")
     advantage = next(n for n in spec.nodes if n.op == "advantage").options
     assert advantage.epsilon == peers.TRL_STD_EPSILON == 1e-4
     defaults = peers.parse_args([])

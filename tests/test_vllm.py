@@ -26,6 +26,7 @@ from tensordict import NonTensorStack, TensorDict  # noqa: E402
 from hybridflow.data import keys as K  # noqa: E402
 from hybridflow.data.tokenizer import build_char_tokenizer  # noqa: E402
 from hybridflow.engines.base import SamplingParams  # noqa: E402
+from hybridflow.engines.vllm_rollout import CPU_KV_BLOCK  # noqa: E402
 from hybridflow.spec.pool import PoolSpec  # noqa: E402
 from hybridflow.workers.base import Worker  # noqa: E402
 from hybridflow.workers.protocols import Dispatch, register  # noqa: E402
@@ -147,11 +148,12 @@ class VLLMProbeWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def decoding_steps(self, *, prompts: int, n: int, max_new: int) -> dict:
         """Engine steps of one generate call of ``prompts`` x ``n`` samples of ``max_new`` tokens
-        each, on an engine built as workers build theirs (``max_num_seqs`` = the samples) and on
-        the probe's own (vLLM's default cap)."""
+        each, on an engine built as workers build theirs (``max_num_seqs`` = the samples, prompts
+        shorter than a KV block) and on the probe's own (vLLM's defaults)."""
         from hybridflow.engines.vllm_rollout import VLLMRolloutEngine
 
-        built = VLLMRolloutEngine.build(self.module, self.tokenizer, max_model_len=16, max_num_seqs=prompts * n, seed=0)
+        built = VLLMRolloutEngine.build(self.module, self.tokenizer, max_model_len=16, max_num_seqs=prompts * n, seed=0,
+                                        shared_prefix_len=8)
         batch = _prompts(self.tokenizer, ["abc=", "hhgfe=", "d="] * (prompts // 3))
         params = SamplingParams(n=n, max_new_tokens=max_new, min_new_tokens=max_new)
         steps = {}
@@ -171,6 +173,10 @@ class VLLMProbeWorker(Worker):
             steps[name] = calls[0]
             steps[f"{name}_tokens"] = int(out[K.RESPONSE_MASK].sum())
         steps["max_num_seqs"] = built.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        for name, engine in (("built", built), ("default", self.vllm)):
+            cache = engine.llm.llm_engine.vllm_config.cache_config
+            steps[f"{name}_prefix_caching"] = cache.enable_prefix_caching
+            steps[f"{name}_block_size"] = cache.block_size
         return steps
 
     @register(Dispatch.ONE_TO_ALL)
@@ -208,7 +214,8 @@ class VLLMProbeWorker(Worker):
 
 def test_every_sample_of_an_iteration_decodes_at_once(ray_session):
     """vLLM caps a decoding step at 256 sequences on CPU by default; the engine workers build
-    lifts the cap to an iteration's samples, so 300 samples take one round of steps, not two.
+    lifts the cap to an iteration's samples, so 300 samples take one round of steps, not two,
+    and leaves prefix caching off when no prompt fills a KV block (nothing to reuse).
     A probe of its own: the second vLLM engine it builds tears down the parallel state the
     probe's first engine lives on, when it goes."""
     with _probe_group("cpu") as group:
@@ -217,6 +224,9 @@ def test_every_sample_of_an_iteration_decodes_at_once(ray_session):
     assert result["built_tokens"] == result["default_tokens"] == 300 * 4
     assert result["built"] <= 5, result  # a prefill step, then 3 decoding steps
     assert result["default"] > result["built"], result
+    # No 8-token prompt fills one of vLLM's CPU KV blocks: prefix caching is left off there.
+    assert result["built_block_size"] == result["default_block_size"] == CPU_KV_BLOCK
+    assert result["default_prefix_caching"] and not result["built_prefix_caching"], result
 
 
 def _plain_log_probs(module, batch: TensorDict) -> torch.Tensor:

@@ -196,6 +196,7 @@ class RolloutEngine(abc.ABC):
         seed: int,
         temperature: float = 1.0,
         adapter_config: dict[str, Any] | None = None,
+        shared_prefix_len: int | None = None,
     ) -> "RolloutEngine":
         """The rollout engine of an actor whose train engine holds ``module`` (the full HF
         model, in this process): it may generate from the module itself or take a copy.
@@ -203,7 +204,9 @@ class RolloutEngine(abc.ABC):
         iteration's samples); ``seed`` differs per rank; ``temperature``: that of every
         non-greedy call (an engine whose recorded log-probs depend on it fixes it here).
         ``adapter_config``: the actor trains LoRA adapters of this peft config (``module``
-        holds them); the engine then takes adapter updates through ``load_adapter``."""
+        holds them); the engine then takes adapter updates through ``load_adapter``.
+        ``shared_prefix_len``: the longest prefix two requests can have in common (an engine
+        with a prefix cache may leave it off below what it can reuse)."""
 
     @abc.abstractmethod
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:

@@ -78,9 +78,11 @@ class HFRolloutEngine(RolloutEngine):
         seed: int,
         temperature: float = 1.0,
         adapter_config=None,
+        shared_prefix_len: int | None = None,
     ) -> "HFRolloutEngine":
         """Generates from the train engine's own ``module`` (same layout, no copy); records
-        log-probs at each call's own temperature, so ``temperature`` is not needed here. A
+        log-probs at each call's own temperature, so ``temperature`` is not needed here (nor
+        ``shared_prefix_len``: transformers' generate keeps no cache across calls). A
         LoRA actor's module holds its adapters: they generate as they train."""
         return cls(module, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer)
 

@@ -74,6 +74,9 @@ from hybridflow.engines.lora import base_named_weights
 # Head sizes vLLM's CPU attention kernel takes (vllm.v1.attention.backends.cpu_attn, 0.32).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
+# vLLM's KV-cache block on CPU (vllm.platforms.cpu, 0.32): its prefix cache reuses whole blocks.
+CPU_KV_BLOCK = 128
+
 # In-process engine core, no CPU thread pinning of our process (defaults; the environment wins).
 VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -127,6 +130,15 @@ def vllm_logprobs_mode(temperature: float) -> str:
     """The vLLM ``logprobs_mode`` whose sampled-token log-prob is ``log_softmax(logits / T)``
     over the whole vocabulary (see the module docstring for the one case it cannot be)."""
     return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
+
+
+def sampled_log_probs(completion: Any) -> list[float]:
+    """The log-prob of each sampled token of a vLLM ``CompletionOutput`` asked for ``logprobs=0``
+    with ``flat_logprobs``: one entry per position, in a flat list (no dict per token)."""
+    flat = completion.logprobs.logprobs
+    if len(flat) != len(completion.token_ids):
+        raise RuntimeError(f"vLLM gave {len(flat)} log-probs for {len(completion.token_ids)} sampled tokens")
+    return flat
 
 
 def _retie_and_repack(worker: Any) -> int:
@@ -278,6 +290,11 @@ class VLLMRolloutEngine(RolloutEngine):
             ``load_weights`` takes this rank's generation shard (module docstring).
         tp_ranks: this rank's generation TP group (torch ranks, in TP-rank order), checked
             against vLLM's grouping (``check_tp_group``); None: not checked.
+        shared_prefix_len: the longest prefix two requests can have in common (a prompt's
+            samples share the prompt; a multi-turn episode's turns share the context before
+            them). On CPU, shorter than one KV-cache block (``CPU_KV_BLOCK``) turns vLLM's
+            prefix caching off: it only reuses whole blocks, so it would hash every block of
+            every step for no hit. None: vLLM's default (on).
     """
 
     def __init__(
@@ -298,6 +315,7 @@ class VLLMRolloutEngine(RolloutEngine):
         tokenizer: Any = None,
         tensor_parallel_size: int = 1,
         tp_ranks: list[int] | None = None,
+        shared_prefix_len: int | None = None,
     ) -> None:
         vllm = import_vllm()
         self.tokenizer = tokenizer  # finds stop strings of multi-turn rollouts (generate_turns)
@@ -335,6 +353,9 @@ class VLLMRolloutEngine(RolloutEngine):
             batching["max_num_seqs"] = max_num_seqs
             if max_num_seqs > 4096:
                 batching["max_num_batched_tokens"] = max_num_seqs
+        caching = {}
+        if not self.on_gpu and shared_prefix_len is not None and shared_prefix_len < CPU_KV_BLOCK:
+            caching["enable_prefix_caching"] = False
         # LoRA: vLLM holds the base weights and one adapter slot; every sync loads the adapters
         # under a new id (an id already loaded is not read again) and drops the previous one.
         self.adapter_config = adapter_config
@@ -355,6 +376,7 @@ class VLLMRolloutEngine(RolloutEngine):
             disable_log_stats=True,
             **memory,
             **batching,
+            **caching,
             **lora,
             **parallel,
         )
@@ -383,6 +405,7 @@ class VLLMRolloutEngine(RolloutEngine):
         adapter_config: dict[str, Any] | None = None,
         tensor_parallel_size: int = 1,
         tp_ranks: list[int] | None = None,
+        shared_prefix_len: int | None = None,
     ) -> "VLLMRolloutEngine":
         """Starts once from ``module``'s initial weights written to a temporary HF directory
         (removed once loaded), then takes every update in memory through ``load_weights``.
@@ -407,6 +430,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 tokenizer=tokenizer,
                 tensor_parallel_size=tensor_parallel_size,
                 tp_ranks=tp_ranks,
+                shared_prefix_len=shared_prefix_len,
             )
         finally:
             shutil.rmtree(model_dir, ignore_errors=True)
@@ -420,6 +444,7 @@ class VLLMRolloutEngine(RolloutEngine):
             n=params.n,
             max_tokens=params.max_new_tokens,
             logprobs=0,  # the sampled token's log-prob only
+            flat_logprobs=True,  # in flat lists (sampled_log_probs), not a dict per token
             stop_token_ids=[self.eos_id],
             min_tokens=params.min_new_tokens,  # EOS (a stop token) not sampled before it
             detokenize=False,
@@ -471,8 +496,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 assert len(completions) == params.n, (len(completions), params.n)
                 for completion in completions:
                     token_ids = list(completion.token_ids)
-                    # Each position holds {token id: Logprob}; the sampled token is the one asked for.
-                    samples.append((token_ids, [pos[tok].logprob for tok, pos in zip(token_ids, completion.logprobs)]))
+                    samples.append((token_ids, sampled_log_probs(completion)))
 
         num_samples = len(requests) * params.n
         responses = torch.full((num_samples, params.max_new_tokens), self.pad_id, dtype=torch.int64)
@@ -546,7 +570,7 @@ class VLLMRolloutEngine(RolloutEngine):
                         continue
                     completion = output.outputs[0]
                     tokens[row].extend(completion.token_ids)
-                    log_probs[row].extend(pos[tok].logprob for tok, pos in zip(completion.token_ids, completion.logprobs))
+                    log_probs[row].extend(sampled_log_probs(completion))
                     if output.finished:
                         del live[output.request_id]
                 weights = updates.poll()
@@ -600,7 +624,7 @@ class VLLMRolloutEngine(RolloutEngine):
         for request_output in outputs:
             completion = request_output.outputs[0]
             ids = list(completion.token_ids)
-            log_probs = [position[tok].logprob for tok, position in zip(ids, completion.logprobs)]
+            log_probs = sampled_log_probs(completion)
             end = self._stop_end(ids, stop)
             natural = completion.finish_reason == "stop" or end is not None
             end = len(ids) if end is None else end

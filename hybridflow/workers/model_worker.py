@@ -159,10 +159,14 @@ class ModelWorker(Worker):
 
     def _build_rollout(self, name: str, module: torch.nn.Module, adapter_config) -> RolloutEngine:
         rollout, data = self.spec.models[name].rollout, self.spec.data
+        max_model_len = data.max_prompt_length + data.max_response_length
+        # A prompt's samples share the prompt; a multi-turn episode's turns the context before them.
+        multi_turn = any(n.model == name and n.op == "multi_turn_generate" for n in self.graph.nodes)
         return ROLLOUT_ENGINES.get(rollout.engine).build(
             module,
             self.tokenizer,
-            max_model_len=data.max_prompt_length + data.max_response_length,
+            max_model_len=max_model_len,
+            shared_prefix_len=max_model_len if multi_turn else data.max_prompt_length,
             # A whole iteration's samples fit in the KV cache at once (one batch per generate call).
             max_num_seqs=data.prompts_per_iteration * rollout.n,
             temperature=rollout.temperature,
