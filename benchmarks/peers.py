@@ -5,7 +5,7 @@
         [--trl-engine hf|vllm] [--seeds 0 1 2] [--json out.json]
         [--hidden-size 256 --layers 4 --intermediate-size 512 --heads 4 --kv-heads 2]
         [--prompts 16 --samples 8 --max-new-tokens 64 --lr 1e-3 --temperature 1.0] [--iterations 50]
-        [--fixed-length] [--ranks 1|2]
+        [--fixed-length] [--bf16] [--ranks 1|2]
 
 Workload (the same for both; the defaults in brackets): a random-init Qwen2 built from one
 config (hidden [256], [4] layers, intermediate [512], [4] heads, [2] KV heads, tied embeddings),
@@ -33,6 +33,11 @@ sampled, so every sample generates ``--max-new-tokens`` tokens (hybridflow: the 
 ``fixed_length``, i.e. vLLM ``min_tokens`` / transformers ``min_new_tokens``; TRL:
 ``generation_kwargs={"min_new_tokens": ...}``), and the ending rule is off on both (hybridflow's
 score node ``unfinished: keep``; TRL's reward keeps the task's score), since no response ends.
+
+``--bf16`` checks which precision is each side's fastest on a CPU with AMX/AVX512-BF16: TRL's
+``bf16=True`` (its Trainer's autocast around the training forward and backward) against
+hybridflow's ``train.compute_dtype: bfloat16`` (the same autocast); weights, AdamW state and
+both rollouts stay float32. Without it both sides run in float32.
 
 TRL settings that make the algorithm equal (`tests/test_trl_equivalence.py` proves the first
 update equal to TRL 1.16's formula within 1e-5): `loss_type="dapo"` (token losses summed over
@@ -161,17 +166,18 @@ def peers_graph(args: argparse.Namespace, seed: int):
 
     g = GraphBuilder("peers", resources=pool_file(args))
     optim = {"lr": args.lr, "betas": [0.9, 0.999], "grad_clip": 1.0, "weight_decay": 0.0}
+    precision = {"compute_dtype": "bfloat16"} if args.bf16 else {}
     rollout = {"engine": args.engine, "n": args.samples, "temperature": args.temperature,
                "fixed_length": args.fixed_length}
     if args.model == "smollm2":
         g.model("actor", role="actor", source={"package": SMOLLM2}, rollout=rollout,
-                train={"micro_batch_size": 16, "share_prompts": True, "optim": optim})
+                train={"micro_batch_size": 16, "share_prompts": True, "optim": optim, **precision})
         g.model("reward", role="reward", source={"compute_score": "default"})
         # No ending rule on either side, as graphs/grpo_smollm2.yaml.
         ending = {"unfinished": "keep"}
     else:
         g.model("actor", role="actor", source={"config": model_config(args)}, rollout=rollout,
-                train={"micro_batch_size": 64, "optim": optim})
+                train={"micro_batch_size": 64, "optim": optim, **precision})
         g.model("reward", role="reward", source={"rule": f"hybridflow.data.tasks:{TASK}_reward"})
         # Fixed length: no response ends, so the ending rule would score every one 0.
         ending = {"unfinished": "keep"} if args.fixed_length else {}
@@ -277,7 +283,7 @@ def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
         temperature=args.temperature, top_p=1.0, beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo",
         scale_rewards="group", learning_rate=args.lr, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, logging_steps=1,
-        report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=seed, disable_dropout=True,
+        report_to="none", save_strategy="no", use_cpu=True, bf16=args.bf16, seed=seed, disable_dropout=True,
         dataloader_num_workers=0,
         generation_kwargs=trl_generation_kwargs(args), **vllm,
     )
@@ -331,6 +337,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     workload.add_argument("--temperature", type=float, help="sampling temperature [1.0; smollm2 0.7]")
     workload.add_argument("--fixed-length", action="store_true",
                           help="EOS ignored on both sides: every sample generates --max-new-tokens")
+    workload.add_argument("--bf16", action="store_true",
+                          help="mixed precision on both sides: TRL's bf16=True (autocast), hybridflow's "
+                               "train.compute_dtype bfloat16; weights, AdamW and rollout stay float32")
     run = parser.add_argument_group("run")
     run.add_argument("--engine", choices=["hf", "vllm"], default="hf",
                      help="hybridflow's rollout engine")
@@ -395,7 +404,7 @@ def summarise(args: argparse.Namespace, runs: list, load_before: tuple, load_aft
         "load_average_after": list(load_after),
         "workload": {k: getattr(args, k) for k in (
             "model", "hidden_size", "layers", "intermediate_size", "heads", "kv_heads", "prompts", "samples",
-            "max_new_tokens", "lr", "temperature", "fixed_length")},
+            "max_new_tokens", "lr", "temperature", "fixed_length", "bf16")},
         "hybridflow_ranks": args.ranks,
         "iterations": args.iterations,
         "seeds": args.seeds,
