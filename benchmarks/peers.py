@@ -35,9 +35,11 @@ sampled, so every sample generates ``--max-new-tokens`` tokens (hybridflow: the 
 score node ``unfinished: keep``; TRL's reward keeps the task's score), since no response ends.
 
 ``--bf16`` checks which precision is each side's fastest on a CPU with AMX/AVX512-BF16: TRL's
-``bf16=True`` (its Trainer's autocast around the training forward and backward) against
-hybridflow's ``train.compute_dtype: bfloat16`` (the same autocast); weights, AdamW state and
-both rollouts stay float32. Without it both sides run in float32.
+``bf16=True`` (accelerate wraps the model's forward in a bfloat16 autocast, so its training
+forwards and its transformers generation run under it) against hybridflow's
+``train.compute_dtype: bfloat16`` (the same autocast around the update's forward and backward;
+the vLLM rollout stays float32). Weights and AdamW state stay float32 on both. Without it both
+sides run in float32.
 
 TRL settings that make the algorithm equal (`tests/test_trl_equivalence.py` proves the first
 update equal to TRL 1.16's formula within 1e-5): `loss_type="dapo"` (token losses summed over
@@ -338,8 +340,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     workload.add_argument("--fixed-length", action="store_true",
                           help="EOS ignored on both sides: every sample generates --max-new-tokens")
     workload.add_argument("--bf16", action="store_true",
-                          help="mixed precision on both sides: TRL's bf16=True (autocast), hybridflow's "
-                               "train.compute_dtype bfloat16; weights, AdamW and rollout stay float32")
+                          help="bfloat16 autocast on both sides: TRL's bf16=True, hybridflow's "
+                               "train.compute_dtype bfloat16 (weights and AdamW stay float32)")
     run = parser.add_argument_group("run")
     run.add_argument("--engine", choices=["hf", "vllm"], default="hf",
                      help="hybridflow's rollout engine")
