@@ -11,7 +11,7 @@ from hybridflow.data import keys as K
 from hybridflow.engines.base import SamplingParams
 from hybridflow.engines.hf_rollout import HFRolloutEngine
 from hybridflow.engines.models import build_causal_lm, build_value_model
-from hybridflow.engines.packing import pack, pack_shared_prompts
+from hybridflow.engines.packing import pack, pack_shared_prompts, shared_prompts_cheaper
 from hybridflow.engines.torch_engine import TorchTrainEngine, check_packing
 from hybridflow.spec.graph import ModelSource, OptimSpec, TrainEngineSpec
 
@@ -59,6 +59,36 @@ def test_pack_shared_prompts_lays_each_prompt_once():
     # Tail columns: the last prompt token (shared), then the responses (padding: last token).
     assert shared.input_ids[0][shared.index].tolist() == [[6, 7, 8], [6, 9, 9], [6, 3, 3]]
     assert shared.index[0, 0] == shared.index[2, 0] == 1  # one position serves both samples
+
+
+def _one_prompt_batch(prompt_len: int, response_len: int, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.cat([torch.full((samples, prompt_len), 5), torch.full((samples, response_len), 7)], 1)
+    return ids, torch.ones_like(ids)
+
+
+def test_sharing_is_chosen_only_where_it_saves_flops():
+    """Shared prompts cost (tokens)^2 attention in one row: worth it for long prompts and short
+    responses, not for short prompts and long responses."""
+    costs = dict(token_flops=1000.0, pair_flops=10.0)
+    # 64-token prompt, 16-token responses, 8 samples: 192 shared tokens against 640 packed.
+    assert shared_prompts_cheaper(*_one_prompt_batch(64, 16, 8), prompt_width=64, **costs)
+    # 4-token prompt, 48-token responses, 16 samples: 772 tokens in one row (596k pairs) against
+    # 16 rows of 52 (43k pairs) for 60 extra tokens.
+    assert not shared_prompts_cheaper(*_one_prompt_batch(4, 48, 16), prompt_width=4, **costs)
+    # Attention for free: any saved token pays.
+    assert shared_prompts_cheaper(*_one_prompt_batch(4, 48, 16), prompt_width=4, token_flops=1.0, pair_flops=0.0)
+
+
+def test_packed_rows_are_costed_after_packing():
+    """The layout without sharing is costed as pack lays it out: short samples share a row, so
+    fewer rows, padded tokens and pairs than the padded batch has."""
+    ids, mask = _one_prompt_batch(2, 30, 8)
+    mask[:, 2 + 8 :] = 0  # 10 valid tokens of 32: three samples per packed row
+    costs = dict(token_flops=1.0, pair_flops=0.05)
+    # Shared: 2 + 8 x 8 = 66 tokens, 66^2 pairs: 66 + 217.8 = 283.8.
+    # Packed: 3 rows of 32: 96 + 3 x 32^2 x 0.05 = 249.6. Padded: 256 + 8 x 32^2 x 0.05 = 665.6.
+    assert not shared_prompts_cheaper(ids, mask, 2, packed=True, **costs)
+    assert shared_prompts_cheaper(ids, mask, 2, packed=False, **costs)
 
 
 def _batch() -> TensorDict:
@@ -320,3 +350,35 @@ def test_shared_prompts_under_eager_attention_equal_padded():
     assert shared.module.config._attn_implementation == "eager"
     a, b = padded.forward(batch), shared.forward(batch)
     assert (a["log_probs"] - b["log_probs"]).abs().max().item() < 1e-5
+
+
+def test_shared_prompts_engine_packs_where_sharing_costs_more():
+    """One 3-token prompt, 8 samples of 40 tokens: one shared row would score 323^2 pairs, so the
+    share_prompts engine packs the samples instead (a row each, no 4D mask), and its outputs
+    and gradients still equal the padded engine's."""
+    prompts = TensorDict(
+        {
+            K.PROMPT_IDS: torch.tensor([[4, 5, 6]]),
+            K.PROMPT_MASK: torch.ones(1, 3, dtype=torch.long),
+            K.UID: torch.arange(1),
+            K.PROMPT_TEXT: NonTensorStack("a"),
+            K.GROUND_TRUTH: NonTensorStack("a"),
+        },
+        batch_size=[1],
+    )
+    torch.manual_seed(0)
+    rollout = HFRolloutEngine(build_causal_lm(TINY, VOCAB, PAD, EOS, seed=3), eos_id=EOS, pad_id=PAD)
+    batch = rollout.generate(prompts, SamplingParams(n=8, max_new_tokens=40, min_new_tokens=40))
+    assert bool(batch[K.RESPONSE_MASK].all())
+    padded, shared = _shared_engines("policy", VOCAB, 8)
+    calls: list[tuple[tuple[int, ...], int | None]] = []
+
+    def record(_module, _args, kwargs):
+        mask = kwargs.get("attention_mask")
+        calls.append((tuple(kwargs["input_ids"].shape), None if mask is None else mask.dim()))
+
+    shared.module.register_forward_pre_hook(record, with_kwargs=True)
+    a, b = padded.forward(batch), shared.forward(batch)
+    assert calls == [((8, 43), 2)], calls  # the padded batch (remove_padding is off), not one row
+    assert (a["log_probs"] - b["log_probs"]).abs().max().item() < 1e-5
+    _assert_one_sgd_step_equal(padded, shared, batch, "log_probs")

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Packed", "SharedPrompts", "pack", "pack_shared_prompts", "token_budget_micro_batches"]
+__all__ = [
+    "Packed",
+    "SharedPrompts",
+    "pack",
+    "pack_shared_prompts",
+    "shared_prompts_cheaper",
+    "token_budget_micro_batches",
+]
 
 
 @dataclass(frozen=True)
@@ -127,8 +134,7 @@ def pack_shared_prompts(
     valid = attention_mask.bool()
     if bool((valid[:, :prompt_width].sum(-1) == 0).any()):
         raise ValueError("pack_shared_prompts: every sample needs at least one prompt token")
-    prompt_key = torch.where(valid[:, :prompt_width], input_ids[:, :prompt_width], -1)
-    _, group = torch.unique(prompt_key, dim=0, return_inverse=True)  # (B,)
+    group = _prompt_groups(input_ids, valid, prompt_width)
 
     tokens: list[torch.Tensor] = []
     positions: list[torch.Tensor] = []
@@ -170,6 +176,52 @@ def pack_shared_prompts(
         index=index,
         num_groups=len(prompt_start),
     )
+
+
+def _prompt_groups(input_ids: torch.Tensor, valid: torch.Tensor, prompt_width: int) -> torch.Tensor:
+    """(B,) index of each sample's distinct prompt (its valid first ``prompt_width`` tokens)."""
+    prompt_key = torch.where(valid[:, :prompt_width], input_ids[:, :prompt_width], -1)
+    return torch.unique(prompt_key, dim=0, return_inverse=True)[1]
+
+
+def shared_prompts_cheaper(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    *,
+    token_flops: float,
+    pair_flops: float,
+    packed: bool = True,
+) -> bool:
+    """Whether ``pack_shared_prompts``' one row costs fewer FLOPs than the other layout.
+
+    Sharing removes the repeated prompt tokens, but its mask is dense: every token of the row is
+    scored against every other (SDPA computes the masked-out pairs too), so attention grows with
+    the square of the micro-batch's tokens instead of each sample's. With long prompts and short
+    responses (SmolLM2's chat prompts) sharing wins; with short prompts and long responses (the
+    copy task at 48 new tokens: 16 samples in one 780-token row) it measured 1.3-1.9x slower
+    than packing. Each layout is costed as ``tokens * token_flops + attended pairs *
+    pair_flops``: one row of the shared tokens against ``pack``'s rows of the padded width
+    (``packed``) or the padded batch itself (``packed=False``), whose masks are a width squared
+    per row.
+
+    Args:
+        token_flops: a token's forward FLOPs outside attention (2 x the weights it meets).
+        pair_flops: one (query, key) pair's attention FLOPs, summed over layers.
+    """
+    batch, width = input_ids.shape
+    valid = attention_mask.bool()
+    group = _prompt_groups(input_ids, valid, prompt_width)
+    prompt_lengths = valid[:, :prompt_width].sum(-1)
+    first = torch.full((int(group.max()) + 1,), batch, dtype=torch.long)
+    first.scatter_reduce_(0, group, torch.arange(batch), reduce="amin")
+    shared_tokens = int(prompt_lengths[first].sum() + valid[:, prompt_width:].sum())
+    rows = batch
+    if packed:
+        rows = 1 + max(row for row, _ in _first_fit(valid.sum(-1).tolist(), width))
+    shared = shared_tokens * token_flops + shared_tokens**2 * pair_flops
+    other = rows * width * token_flops + rows * width**2 * pair_flops
+    return shared < other
 
 
 def token_budget_micro_batches(tokens: list[int], budget: int) -> list[list[int]]:

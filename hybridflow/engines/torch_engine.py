@@ -28,7 +28,12 @@ from hybridflow.algos.chunked_logits import chunked_log_probs_entropy
 from hybridflow.data import keys as K
 from hybridflow.engines.base import LossFn, ModelKind, TrainEngine
 from hybridflow.engines.lora import add_lora, merged_named_weights
-from hybridflow.engines.packing import pack, pack_shared_prompts, token_budget_micro_batches
+from hybridflow.engines.packing import (
+    pack,
+    pack_shared_prompts,
+    shared_prompts_cheaper,
+    token_budget_micro_batches,
+)
 from hybridflow.engines.schedule import lr_factor
 from hybridflow.spec.graph import TrainEngineSpec
 
@@ -120,6 +125,27 @@ def attention_mask_for(model: nn.Module, allowed: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _layout_flops(model: nn.Module) -> tuple[float, float] | None:
+    """(a token's forward FLOPs outside attention, one attended pair's FLOPs over all layers)
+    for costing a micro-batch's layout (``shared_prompts_cheaper``); None when the config does
+    not say how attention is shaped. The embedding and the LM head are left out: the lookup is
+    free and the head only projects the response positions, alike in every layout."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if not heads or not layers:
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    left_out = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, getter, lambda: None)()
+        if module is not None and getattr(module, "weight", None) is not None:
+            left_out.add(id(module.weight))
+    weights = sum(p.numel() for p in model.parameters() if id(p) not in left_out)
+    # A pair costs a query-key product and a value product: 2 x 2 x head_dim per head and layer.
+    return 2.0 * weights, 4.0 * heads * head_dim * layers
+
+
 class _Hooks:
     """Removes the given hook handles on exit."""
 
@@ -174,10 +200,20 @@ class TorchTrainEngine(TrainEngine):
         self.peft = add_lora(model, spec.lora, seed) if spec.lora is not None else None
         self.module = model
         self.home = next(model.parameters()).device  # where reload() brings the state back
+        # Shared prompts go per micro-batch to whichever layout costs fewer FLOPs: the shared
+        # row or, without sharing, packed rows (or the padded batch, with remove_padding off or
+        # a model that fails the packing probe).
+        self._pack = spec.remove_padding
+        self._layout_flops = _layout_flops(model) if spec.share_prompts else None
         if spec.share_prompts:
             check_packing(model, shared_prompts=True)
-        elif spec.remove_padding:
-            check_packing(model)
+        if self._pack:
+            try:
+                check_packing(model)
+            except ValueError:
+                if not spec.share_prompts:
+                    raise
+                self._pack = False
         self._chunk_head = self._chunkable_head()
         self.process_group = process_group
         distributed = dist.is_available() and dist.is_initialized()
@@ -301,8 +337,22 @@ class TorchTrainEngine(TrainEngine):
         with torch.autocast(self.home.type, dtype=getattr(torch, self.spec.compute_dtype)):
             return self._tail_outputs_at_dtype(module, mb, num_tail)
 
+    def _shares_prompts(self, mb: TensorDict) -> bool:
+        """Whether this micro-batch runs as one shared-prompt row (``spec.share_prompts`` and
+        cheaper than the layout without sharing; always when the model's costs are unknown)."""
+        if not self.spec.share_prompts:
+            return False
+        if self._layout_flops is None:
+            return True
+        token_flops, pair_flops = self._layout_flops
+        return shared_prompts_cheaper(
+            mb[K.INPUT_IDS], mb[K.ATTENTION_MASK], mb[K.INPUT_IDS].shape[1] - mb[K.RESPONSES].shape[1],
+            token_flops=token_flops, pair_flops=pair_flops, packed=self._pack,
+        )
+
     def _tail_outputs_at_dtype(self, module: nn.Module, mb: TensorDict, num_tail: int) -> torch.Tensor:
-        if not (self.spec.remove_padding or self.spec.share_prompts):
+        share = self._shares_prompts(mb)
+        if not (share or self._pack):
             # A causal LM runs only the last positions through its head.
             keep = {"logits_to_keep": num_tail} if self.kind == "policy" else {}
             with self._head_input_capture():
@@ -313,7 +363,7 @@ class TorchTrainEngine(TrainEngine):
                     use_cache=False,
                     **keep,
                 ).logits[:, -num_tail:]
-        if self.spec.share_prompts:
+        if share:
             prompt_width = mb[K.INPUT_IDS].shape[1] - mb[K.RESPONSES].shape[1]
             packed = pack_shared_prompts(
                 mb[K.INPUT_IDS], mb[K.ATTENTION_MASK], mb[K.POSITION_IDS], num_tail, prompt_width

@@ -206,7 +206,9 @@ class TrainEngineSpec(Spec):
         "With n samples per prompt and prompts longer than responses this removes most of a "
         "forward's tokens; keep micro_batch_size a multiple of rollout.n so a prompt's samples "
         "share a micro-batch. Takes the place of remove_padding. The attention mask is dense "
-        "(tokens^2 of a micro-batch): meant for micro-batches of a few thousand tokens.",
+        "(tokens^2 of a micro-batch), so a micro-batch is shared only where that costs fewer "
+        "FLOPs than the layout without sharing (long prompts, short responses); otherwise it "
+        "runs packed (or padded, with remove_padding off).",
     )
     micro_batch_tokens: int | None = Field(
         None,
