@@ -36,6 +36,20 @@ def test_pack_places_every_valid_token_once():
     assert flat[packed.index].tolist() == [[6, 7, 7], [6, 7, 8], [2, 2, 2]]
 
 
+def test_equal_lengths_pack_into_rows_of_the_longest_sample():
+    """Samples of 4 valid tokens in a padded width of 6: two never share a row, so rows of 4
+    hold them in 12 tokens instead of 18."""
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [0, 3, 4, 5, 6, 0], [9, 2, 3, 4, 0, 0]])
+    mask = (ids != 0).long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    packed = pack(ids, mask, positions, num_tail=2)
+    assert packed.input_ids.shape == (3, 4)
+    assert sorted(packed.input_ids.tolist()) == [[3, 4, 5, 6], [5, 6, 7, 8], [9, 2, 3, 4]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3]] * 3
+    flat = packed.input_ids.flatten()
+    assert flat[packed.index].tolist() == [[7, 8], [6, 6], [4, 4]]
+
+
 def test_pack_rejects_an_empty_sample():
     ids = torch.tensor([[0, 0], [3, 4]])
     with pytest.raises(ValueError, match="at least one valid token"):
@@ -83,10 +97,11 @@ def test_packed_rows_are_costed_after_packing():
     """The layout without sharing is costed as pack lays it out: short samples share a row, so
     fewer rows, padded tokens and pairs than the padded batch has."""
     ids, mask = _one_prompt_batch(2, 30, 8)
-    mask[:, 2 + 8 :] = 0  # 10 valid tokens of 32: three samples per packed row
+    mask[:, 2 + 8 :] = 0  # 10 valid tokens of 32
     costs = dict(token_flops=1.0, pair_flops=0.05)
     # Shared: 2 + 8 x 8 = 66 tokens, 66^2 pairs: 66 + 217.8 = 283.8.
-    # Packed: 3 rows of 32: 96 + 3 x 32^2 x 0.05 = 249.6. Padded: 256 + 8 x 32^2 x 0.05 = 665.6.
+    # Packed: 8 rows of 10 (fewer tokens than 3 rows of 32): 80 + 8 x 10^2 x 0.05 = 120.
+    # Padded: 256 + 8 x 32^2 x 0.05 = 665.6.
     assert not shared_prompts_cheaper(ids, mask, 2, packed=True, **costs)
     assert shared_prompts_cheaper(ids, mask, 2, packed=False, **costs)
 
@@ -238,8 +253,13 @@ def test_a_small_vocabulary_projects_every_packed_position():
     """Below the threshold the head takes the packed rows whole (the earlier, bit-stable path)."""
     _, packed = _engines("policy", micro_batch_size=5)
     shapes = _head_inputs(packed)
-    packed.forward(_batch())
-    assert shapes and all(len(s) == 3 and s[1] == _batch()[K.INPUT_IDS].shape[1] for s in shapes), shapes
+    batch = _batch()
+    packed.forward(batch)
+    rows = [
+        pack(mb[K.INPUT_IDS], mb[K.ATTENTION_MASK], mb[K.POSITION_IDS], 1).input_ids.shape
+        for mb in batch.split(5)
+    ]
+    assert [tuple(s[:2]) for s in shapes] == [tuple(r) for r in rows], (shapes, rows)
 
 
 @pytest.mark.parametrize("remove_padding", [False, True])
@@ -382,3 +402,33 @@ def test_shared_prompts_engine_packs_where_sharing_costs_more():
     assert calls == [((8, 43), 2)], calls  # the padded batch (remove_padding is off), not one row
     assert (a["log_probs"] - b["log_probs"]).abs().max().item() < 1e-5
     _assert_one_sgd_step_equal(padded, shared, batch, "log_probs")
+
+
+def test_fixed_length_batch_packs_into_narrow_rows_and_equals_padded():
+    """Left-padded prompts of 2-3 tokens in 4 columns, 12 response tokens each: the packed
+    engine runs rows of the longest sample (15), not of the padded width (16), and its outputs
+    and gradients equal the padded engine's."""
+    ids = torch.tensor([[PAD, 4, 5, 6], [PAD, PAD, 7, 8]])
+    prompts = TensorDict(
+        {
+            K.PROMPT_IDS: ids,
+            K.PROMPT_MASK: (ids != PAD).long(),
+            K.UID: torch.arange(2),
+            K.PROMPT_TEXT: NonTensorStack("a", "b"),
+            K.GROUND_TRUTH: NonTensorStack("a", "b"),
+        },
+        batch_size=[2],
+    )
+    torch.manual_seed(0)
+    rollout = HFRolloutEngine(build_causal_lm(TINY, VOCAB, PAD, EOS, seed=3), eos_id=EOS, pad_id=PAD)
+    batch = rollout.generate(prompts, SamplingParams(n=4, max_new_tokens=12, min_new_tokens=12))
+    assert batch[K.INPUT_IDS].shape == (8, 16)
+    padded, packed = _engines("policy", micro_batch_size=8)
+    shapes: list[tuple[int, ...]] = []
+    packed.module.register_forward_pre_hook(
+        lambda _m, _a, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    a, b = padded.forward(batch), packed.forward(batch)
+    assert shapes == [(8, 15)], shapes
+    assert (a["log_probs"] - b["log_probs"]).abs().max().item() < 1e-5
+    _assert_one_sgd_step_equal(padded, packed, batch, "log_probs")

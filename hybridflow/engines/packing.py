@@ -3,8 +3,9 @@
 A rollout batch is padded to ``max_prompt_length + max_new_tokens`` columns, but on a task
 with short answers most of those columns are padding (a 64-token budget with 10-token answers
 is ~80% padding) and a padded forward/backward pays for all of them. ``pack`` lays the valid
-tokens of every sample end to end into rows of the padded width (first-fit, longest first), with
-each sample's own position ids. transformers reads the restart of the position ids as a
+tokens of every sample end to end into rows (first-fit, longest first; rows of the padded width
+or of the longest sample, whichever holds the batch in fewer tokens), with each sample's own
+position ids. transformers reads the restart of the position ids as a
 sequence boundary when no attention mask is passed (``find_packed_sequence_indices``) and builds
 a block-diagonal causal mask, so every token attends to its own sample only: the outputs equal
 the padded forward's up to float rounding.
@@ -52,23 +53,43 @@ def _first_fit(lengths: list[int], width: int) -> list[tuple[int, int]]:
     return place
 
 
+def _rows(lengths: list[int], padded_width: int) -> tuple[int, list[tuple[int, int]]]:
+    """(row width, ``_first_fit`` places) of the packing with the fewest row tokens, rows of
+    the padded width or of the longest sample.
+
+    The padded width fits short samples several to a row; the longest sample's width wastes
+    nothing when samples are about equally long: with every response at the new-token limit,
+    prompts of 4-6 tokens in an 8-token prompt budget leave 2-4 columns of each padded row
+    unused (4-10% of the tokens at 24-48 new tokens), which rows of the longest sample drop.
+    """
+    candidates = []
+    for width in sorted({max(lengths), padded_width}):
+        place = _first_fit(lengths, width)
+        rows = 1 + max(row for row, _ in place)
+        candidates.append((rows * width, width, place))
+    _, width, place = min(candidates, key=lambda c: (c[0], c[1]))
+    return width, place
+
+
 def pack(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     num_tail: int,
 ) -> Packed:
-    """Pack the valid tokens (``attention_mask`` 1) of ``input_ids`` (B, T) into rows of width T.
+    """Pack the valid tokens (``attention_mask`` 1) of ``input_ids`` (B, T) into rows of width T
+    or of the longest sample, whichever needs fewer row tokens (``_rows``).
 
     ``num_tail``: how many of the last padded columns the caller reads outputs from (the
     response tokens and the position before them). Every sample needs at least one valid token.
     """
-    batch, width = input_ids.shape
+    batch, padded_width = input_ids.shape
     valid = attention_mask.bool()
     lengths = valid.sum(-1)
     if bool((lengths == 0).any()):
         raise ValueError("pack: every sample needs at least one valid token")
-    place = torch.tensor(_first_fit(lengths.tolist(), width), dtype=torch.long).reshape(batch, 2)
+    width, place = _rows(lengths.tolist(), padded_width)
+    place = torch.tensor(place, dtype=torch.long).reshape(batch, 2)
     rows = int(place[:, 0].max()) + 1
     starts = place[:, 0] * width + place[:, 1]  # flat position of each sample's first token
     # Flat destination of each valid token, in the row-major order of input_ids[valid].
@@ -201,9 +222,8 @@ def shared_prompts_cheaper(
     responses (SmolLM2's chat prompts) sharing wins; with short prompts and long responses (the
     copy task at 48 new tokens: 16 samples in one 780-token row) it measured 1.3-1.9x slower
     than packing. Each layout is costed as ``tokens * token_flops + attended pairs *
-    pair_flops``: one row of the shared tokens against ``pack``'s rows of the padded width
-    (``packed``) or the padded batch itself (``packed=False``), whose masks are a width squared
-    per row.
+    pair_flops``: one row of the shared tokens against ``pack``'s rows (``packed``) or the
+    padded batch itself (``packed=False``), whose masks are a width squared per row.
 
     Args:
         token_flops: a token's forward FLOPs outside attention (2 x the weights it meets).
@@ -218,7 +238,8 @@ def shared_prompts_cheaper(
     shared_tokens = int(prompt_lengths[first].sum() + valid[:, prompt_width:].sum())
     rows = batch
     if packed:
-        rows = 1 + max(row for row, _ in _first_fit(valid.sum(-1).tolist(), width))
+        width, place = _rows(valid.sum(-1).tolist(), width)
+        rows = 1 + max(row for row, _ in place)
     shared = shared_tokens * token_flops + shared_tokens**2 * pair_flops
     other = rows * width * token_flops + rows * width**2 * pair_flops
     return shared < other
