@@ -374,8 +374,9 @@ def test_shared_prompts_under_eager_attention_equal_padded():
 
 def test_shared_prompts_engine_packs_where_sharing_costs_more():
     """One 3-token prompt, 8 samples of 40 tokens: one shared row would score 323^2 pairs, so the
-    share_prompts engine packs the samples instead (a row each, no 4D mask), and its outputs
-    and gradients still equal the padded engine's."""
+    share_prompts engine runs the layout without sharing instead (here the padded batch, since
+    these engines have remove_padding off; no 4D mask), and its outputs and gradients still
+    equal the padded engine's."""
     prompts = TensorDict(
         {
             K.PROMPT_IDS: torch.tensor([[4, 5, 6]]),

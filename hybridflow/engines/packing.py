@@ -220,8 +220,8 @@ def shared_prompts_cheaper(
     scored against every other (SDPA computes the masked-out pairs too), so attention grows with
     the square of the micro-batch's tokens instead of each sample's. With long prompts and short
     responses (SmolLM2's chat prompts) sharing wins; with short prompts and long responses (the
-    copy task at 48 new tokens: 16 samples in one 780-token row) it measured 1.3-1.9x slower
-    than packing. Each layout is costed as ``tokens * token_flops + attended pairs *
+    copy task at 24-48 new tokens, 64 samples in one row) it measured 1.8-4.9x slower than
+    packing (``benchmarks/packing_layouts.py``). Each layout is costed as ``tokens * token_flops + attended pairs *
     pair_flops``: one row of the shared tokens against ``pack``'s rows (``packed``) or the
     padded batch itself (``packed=False``), whose masks are a width squared per row.
 
