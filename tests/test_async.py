@@ -67,6 +67,16 @@ def test_old_log_probs_from_rollout_makes_the_recompute_redundant():
     assert "old_log_prob" not in corrected.redundant_nodes()  # the correction reads it up front
 
 
+def test_rollout_records_every_log_prob_only_for_an_update_that_reads_them():
+    """The vLLM rollout records a sample of log-probs for the consistency check
+    (rollout.log_prob_check_samples), and every sample's when an update reads them."""
+    assert load_graph(ASYNC).reads_rollout_log_probs("actor")  # rollout_correction
+    rollout = [f"{CORR}=null", "nodes.update_actor.options.old_log_probs=rollout"]
+    assert load_graph(ASYNC, rollout).reads_rollout_log_probs("actor")
+    assert not load_graph(ASYNC, [f"{CORR}=null"]).reads_rollout_log_probs("actor")
+    assert not load_graph(GRPO).reads_rollout_log_probs("actor")
+
+
 # -- the loss --------------------------------------------------------------------------------
 
 
@@ -83,6 +93,26 @@ def _micro_batch(weights: torch.Tensor | None = None) -> tuple[TensorDict, dict]
     out = {"log_probs": log_probs, "entropy": torch.zeros(2, 2),
            "num_global_tokens": torch.tensor(3.0), "num_global_seqs": torch.tensor(2.0)}
     return TensorDict(fields, batch_size=[2]), out
+
+
+def test_consistency_check_reads_only_the_recorded_rows():
+    """A row whose rollout log-probs were not recorded (zeros, ``rollout_log_probs_recorded``
+    False) stays out of the rollout/training difference; the loss is unchanged."""
+    from hybridflow.hybrid_engine.consistency import ConsistencyStats
+    from hybridflow.spec.graph import UpdateOptions
+    from hybridflow.workers.model_worker import ModelWorker
+
+    every, only_first = ConsistencyStats(), ConsistencyStats()
+    mb, out = _micro_batch()
+    loss_every, _ = ModelWorker._policy_loss(UpdateOptions(), every)(mb, out)
+    mb[K.ROLLOUT_LOG_PROBS_RECORDED] = torch.tensor([True, False])
+    mb[K.ROLLOUT_LOG_PROBS][1] = 0.0
+    loss_first, _ = ModelWorker._policy_loss(UpdateOptions(), only_first)(mb, out)
+    assert float(loss_first) == float(loss_every)
+    assert every.reduce()["rollout_log_prob_diff_mean"] == pytest.approx(0.5 / 3)
+    first = only_first.reduce()
+    assert first["rollout_log_prob_diff_mean"] == pytest.approx(0.5 / 2)
+    assert first["rollout_log_prob_diff_max"] == pytest.approx(0.5)
 
 
 def test_is_weights_scale_the_policy_loss_per_token():

@@ -146,6 +146,20 @@ class VLLMProbeWorker(Worker):
 
 
     @register(Dispatch.ONE_TO_ALL)
+    def log_prob_subsets(self) -> dict:
+        """3 prompts x 3 samples at several ``log_prob_samples``, vLLM on the train weights."""
+        from hybridflow.hybrid_engine.sync import sync_weights
+
+        sync_weights(self.train, self.vllm)
+        prompts = _prompts(self.tokenizer, ["abc=", "hhgfe=", "d="])
+        result = {}
+        for asked in (4, 1, 0, None, 100):
+            out = self.vllm.generate(prompts, SamplingParams(n=3, max_new_tokens=MAX_NEW, log_prob_samples=asked))
+            result[asked] = {"rollout": out[K.ROLLOUT_LOG_PROBS], "recorded": out[K.ROLLOUT_LOG_PROBS_RECORDED],
+                             "mask": out[K.RESPONSE_MASK], "plain": _plain_log_probs(self.module, out)}
+        return result
+
+    @register(Dispatch.ONE_TO_ALL)
     def decoding_steps(self, *, prompts: int, n: int, max_new: int) -> dict:
         """Engine steps of one generate call of ``prompts`` x ``n`` samples of ``max_new`` tokens
         each, on an engine built as workers build theirs (``max_num_seqs`` = the samples, prompts
@@ -336,6 +350,22 @@ def test_weights_arriving_mid_generation_continue_or_resume_the_samples(cpu_prob
                 assert torch.allclose(res["rollout"][:, 4:], res["new"][:, 4:], atol=1e-4)
             else:  # old KV cache under new weights
                 assert (res["rollout"][:, 5:] - res["new"][:, 5:]).abs().max() > 1e-4
+
+
+@pytest.mark.slow  # on the probe's engines: seconds once they are up
+def test_log_probs_recorded_for_the_first_prompt_groups_only(cpu_probe):
+    """``log_prob_samples``: vLLM records the log-probs of whole prompt groups, the first ones,
+    enough for that many samples; those equal a plain transformers forward's (1e-4), the other
+    rows hold zeros, and ``rollout_log_probs_recorded`` says which are which."""
+    for res in ray.get(cpu_probe.call("log_prob_subsets")):
+        for asked, recorded_rows in ((4, 6), (1, 3), (0, 0), (None, 9), (100, 9)):
+            out = res[asked]
+            assert out["recorded"].tolist() == [True] * recorded_rows + [False] * (9 - recorded_rows), asked
+            mask = out["mask"].bool()
+            rec = out["recorded"]
+            assert (out["rollout"][~rec] == 0).all()
+            assert ((out["rollout"] - out["plain"]).abs() * (mask & rec[:, None])).max() < 1e-4
+            assert (out["rollout"][rec][mask[rec]] < 0).all()
 
 
 @pytest.mark.gpu

@@ -32,6 +32,9 @@ ATTENTION_MASK = "attention_mask"  # (B, T) int64, prompt_mask ++ response_mask
 POSITION_IDS = "position_ids"  # (B, T) int64, cumsum(attention_mask) - 1, clamped at 0
 TRUNCATED = "truncated"  # (B,) bool, response reached max length without EOS
 ROLLOUT_LOG_PROBS = "rollout_log_probs"  # (B, R) float, log-probs the rollout engine sampled with
+# (B,) bool, whether the row's rollout_log_probs were recorded (absent: every row's were); a row
+# without them holds zeros (rollout.log_prob_check_samples)
+ROLLOUT_LOG_PROBS_RECORDED = "rollout_log_probs_recorded"
 WEIGHT_VERSION = "weight_version"  # (B,) int64, policy version (actor updates applied) that generated the sample
 # (B,) int64, the version of its last token: above weight_version when new weights loaded while
 # the sample was in flight (trainer.async.partial_rollout), else equal to it

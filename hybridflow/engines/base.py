@@ -54,6 +54,9 @@ class SamplingParams:
     # EOS is not sampled before this many new tokens (vLLM's min_tokens, transformers'
     # min_new_tokens); max_new_tokens = every sample full length.
     min_new_tokens: int = 0
+    # Samples whose log-probs are recorded (rollout_log_probs): the first ones, in whole prompt
+    # groups; None = every sample. An engine may record more (all, when it costs nothing).
+    log_prob_samples: int | None = None
 
 
 ModelKind = Literal["policy", "value"]  # an LM head (log-probs, entropy) or a scalar head (values)

@@ -141,6 +141,14 @@ def sampled_log_probs(completion: Any) -> list[float]:
     return flat
 
 
+def recorded_prompts(log_prob_samples: int | None, n: int, num_prompts: int) -> int:
+    """How many prompts, the first ones, get their samples' log-probs recorded: enough whole
+    groups of ``n`` for ``log_prob_samples`` samples (``None``: every prompt)."""
+    if log_prob_samples is None:
+        return num_prompts
+    return min(num_prompts, -(-log_prob_samples // n))
+
+
 def _retie_and_repack(worker: Any) -> int:
     """Runs inside vLLM's worker: re-tie a tied lm_head to the embedding and re-pack it.
 
@@ -485,18 +493,23 @@ class VLLMRolloutEngine(RolloutEngine):
         if updates is not None:
             samples, loads = self.generate_partial(requests, params, updates)
         else:
+            recorded = recorded_prompts(params.log_prob_samples, params.n, len(requests))
+            sampling = self._vllm_params(params)
+            without = self._vllm_params(params, logprobs=None) if recorded < len(requests) else None
             with self._tp_rng():
                 outputs = self.llm.generate(
-                    [{"prompt_token_ids": ids} for ids in requests], self._vllm_params(params),
+                    [{"prompt_token_ids": ids} for ids in requests],
+                    [sampling if i < recorded else without for i in range(len(requests))],
                     use_tqdm=self.progress, lora_request=self._lora_request,
                 )
             samples = []
-            for request_output in outputs:
+            for i, request_output in enumerate(outputs):
                 completions = sorted(request_output.outputs, key=lambda c: c.index)
                 assert len(completions) == params.n, (len(completions), params.n)
                 for completion in completions:
                     token_ids = list(completion.token_ids)
-                    samples.append((token_ids, sampled_log_probs(completion)))
+                    log_probs = sampled_log_probs(completion) if i < recorded else [0.0] * len(token_ids)
+                    samples.append((token_ids, log_probs))
 
         num_samples = len(requests) * params.n
         responses = torch.full((num_samples, params.max_new_tokens), self.pad_id, dtype=torch.int64)
@@ -512,6 +525,8 @@ class VLLMRolloutEngine(RolloutEngine):
             batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], responses, self.eos_id, self.pad_id
         )
         fields[K.ROLLOUT_LOG_PROBS] = log_probs * fields[K.RESPONSE_MASK]
+        if loads is None:
+            fields[K.ROLLOUT_LOG_PROBS_RECORDED] = torch.arange(num_samples) < recorded * params.n
         batch.update(fields)
         return batch
 

@@ -99,6 +99,15 @@ class Graph:
     def actor(self) -> str:
         return next(name for name, m in self.spec.models.items() if m.role == "actor")
 
+    def reads_rollout_log_probs(self, model: str) -> bool:
+        """Whether an update of ``model`` reads every sample's ``rollout_log_probs`` (rollout
+        correction, ``old_log_probs: rollout``), beyond the consistency check's sample."""
+        return any(
+            node.op == "update" and node.model == model
+            and (node.spec.options.rollout_correction is not None or node.spec.options.old_log_probs == "rollout")
+            for node in self.nodes
+        )
+
     def redundant_nodes(self) -> dict[str, str]:
         """Nodes whose outputs the graph could compute for free, with why: a ``log_prob`` node
         giving an update its ``old_log_probs`` when that update takes one optimizer step per

@@ -144,7 +144,8 @@ register_op(Op(
     inputs={"*": ("prompts",)},
     outputs={"*": ("responses",)},
     writes={
-        "responses": (*_ROLLOUT, K.ROLLOUT_LOG_PROBS, K.WEIGHT_VERSION, K.WEIGHT_VERSION_LAST, *SOURCE_WRITES["prompts"][2:]),
+        "responses": (*_ROLLOUT, K.ROLLOUT_LOG_PROBS, K.ROLLOUT_LOG_PROBS_RECORDED, K.WEIGHT_VERSION,
+                      K.WEIGHT_VERSION_LAST, *SOURCE_WRITES["prompts"][2:]),
         # A second generation (ReMax's greedy one) carries the same fields under its own key.
         "greedy_responses": _ROLLOUT[:5],
     },

@@ -316,6 +316,18 @@ class RolloutSpec(Spec):
         "(mean absolute difference); null = only report. Checked in trainer.async.mode sync "
         "only (off-policy modes sample from older weights by design).",
     )
+    log_prob_check_samples: int | None = Field(
+        16,
+        ge=0,
+        description="rollout.engine vllm: samples per generate call and rollout rank (whole "
+        "prompt groups, the first ones) whose rollout log-probs vLLM records for the consistency "
+        "check (actor/rollout_log_prob_diff_*, log_prob_tolerance); null = every sample, 0 = none "
+        "(no check). Recording costs vLLM per-token Python work on every sample: 8% of a generate "
+        "call on a hidden-256 model, 20% on a hidden-128 one (benchmarks/RESULTS.md). Every "
+        "sample's are recorded anyway when an update reads them (rollout_correction, "
+        "old_log_probs: rollout), and always by rollout.engine hf, whose log-probs cost nothing "
+        "extra. Like verl's rollout.calculate_log_probs, but on by default for a sample.",
+    )
 
 
 class ModelSpec(Spec):

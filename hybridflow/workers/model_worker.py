@@ -212,6 +212,10 @@ class ModelWorker(Worker):
             max_new_tokens=self.spec.data.max_response_length,
             greedy=greedy,
             min_new_tokens=self.spec.data.max_response_length if rollout.fixed_length and not greedy else 0,
+            # A greedy generation's log-probs are dropped (its key carries no rollout_log_probs).
+            log_prob_samples=0 if greedy else (
+                None if self.graph.reads_rollout_log_probs(node.model) else rollout.log_prob_check_samples
+            ),
         )
         self._load_staged(node.model)
         versions = [self.rollout_versions[node.model]]  # at the start, then one per load in flight
@@ -430,6 +434,11 @@ class ModelWorker(Worker):
         if opts.safety is not None:
             lagrange = self.extra_state[f"lagrange/{node.name}"]
             extra.update(algo_steps.apply_safety(batch, opts, lagrange, algo_steps.dp_sum(self._dp_group(model))))
+        if K.ROLLOUT_LOG_PROBS_RECORDED in batch.keys() and (
+            opts.rollout_correction is not None or opts.old_log_probs == "rollout"
+        ) and not bool(batch[K.ROLLOUT_LOG_PROBS_RECORDED].all()):
+            raise ValueError(f"update {node.name!r} reads rollout_log_probs, but the rollout recorded them "
+                             "for only some samples (rollout.log_prob_check_samples)")
         if opts.rollout_correction is not None:
             extra.update(algo_steps.apply_rollout_correction(batch, opts, self._dp_group(model)))
         if model in self.train_versions and K.WEIGHT_VERSION in batch.keys():
@@ -656,7 +665,10 @@ class ModelWorker(Worker):
             if opts.entropy_coef:
                 loss_mat = loss_mat - opts.entropy_coef * out["entropy"]
             if rollout_stats is not None and K.ROLLOUT_LOG_PROBS in mb.keys():
-                rollout_stats.add(log_probs, mb[K.ROLLOUT_LOG_PROBS], response_mask)
+                checked = response_mask
+                if K.ROLLOUT_LOG_PROBS_RECORDED in mb.keys():  # a sample of rows (log_prob_check_samples)
+                    checked = response_mask * mb[K.ROLLOUT_LOG_PROBS_RECORDED].unsqueeze(-1).to(response_mask.dtype)
+                rollout_stats.add(log_probs, mb[K.ROLLOUT_LOG_PROBS], checked)
             loss = agg_loss(
                 loss_mat,
                 response_mask,
