@@ -5,7 +5,7 @@
         [--trl-engine hf|vllm] [--seeds 0 1 2] [--json out.json]
         [--hidden-size 256 --layers 4 --intermediate-size 512 --heads 4 --kv-heads 2]
         [--prompts 16 --samples 8 --max-new-tokens 64 --lr 1e-3 --temperature 1.0] [--iterations 50]
-        [--fixed-length] [--bf16] [--ranks 1|2]
+        [--fixed-length] [--bf16] [--ranks 1|2] [--trl-micro-batch 64] [--micro-batch-tokens 1024]
 
 Workload (the same for both; the defaults in brackets): a random-init Qwen2 built from one
 config (hidden [256], [4] layers, intermediate [512], [4] heads, [2] KV heads, tied embeddings),
@@ -46,13 +46,20 @@ update equal to TRL 1.16's formula within 1e-5): `loss_type="dapo"` (token losse
 the batch and divided by its response tokens: hybridflow's token-mean), `scale_rewards="group"`
 (advantage = (r - group mean) / (unbiased group std + 1e-4): hybridflow's GRPO with
 `norm_by_std` and `epsilon: 1e-4`, whose own default epsilon is 1e-6), `num_iterations=1` and
-`steps_per_generation=1` (one update per rollout batch, so neither side runs a separate
-old-log-prob forward: 1 generate + 1 forward/backward each), `per_device_train_batch_size` =
-prompts x samples. hybridflow runs its default CPU layout: two data-parallel ranks (gloo), one
-torch thread each (``--ranks 1``: one rank of two threads); TRL runs in this process with two
-torch threads. Both see the same 2 cores.
-What still differs (sampling RNG streams, prompt order, fused vs for-loop AdamW) is listed with
-its measured effect in benchmarks/RESULTS.md.
+`steps_per_generation` = `gradient_accumulation_steps` (one generation and one optimizer step
+per rollout batch, so neither side runs a separate old-log-prob forward: 1 generate + 1 pass of
+forward/backward micro-batches each). hybridflow runs its default CPU layout: two data-parallel
+ranks (gloo), one torch thread each (``--ranks 1``: one rank of two threads); TRL runs in this
+process with two torch threads. Both see the same 2 cores, and both step the same fused AdamW.
+
+Micro-batches, each side at its measured best (benchmarks/RESULTS.md: a working set that stays
+in cache beats one large batch by 6-20% on these shapes): TRL's forward/backward runs
+``--trl-micro-batch`` [64] samples at a time (`per_device_train_batch_size`, the largest divisor
+of the batch up to it, with gradient accumulation over the rest), hybridflow's tiny graph
+micro-batches of ``--micro-batch-tokens`` [1024] tokens per rank (`train.micro_batch_tokens`,
+verl's ppo_max_token_len_per_gpu). Gradient accumulation changes neither side's update: both
+normalise by the whole batch's tokens. What still differs (sampling RNG streams, prompt order)
+is listed with its measured effect in benchmarks/RESULTS.md.
 
 After each TRL step (generation + update, timed by a callback from step begin to step end) the
 callback runs one hybridflow iteration, so both share the machine's state over time. Prints mean
@@ -179,7 +186,7 @@ def peers_graph(args: argparse.Namespace, seed: int):
         ending = {"unfinished": "keep"}
     else:
         g.model("actor", role="actor", source={"config": model_config(args)}, rollout=rollout,
-                train={"micro_batch_size": 64, "optim": optim, **precision})
+                train={"micro_batch_tokens": args.micro_batch_tokens, "optim": optim, **precision})
         g.model("reward", role="reward", source={"rule": f"hybridflow.data.tasks:{TASK}_reward"})
         # Fixed length: no response ends, so the ending rule would score every one 0.
         ending = {"unfinished": "keep"} if args.fixed_length else {}
@@ -278,10 +285,12 @@ def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
         return scores.tolist()
 
     vllm = {"use_vllm": True, "vllm_mode": "colocate"} if args.trl_engine == "vllm" else {}
+    micro_batch = trl_micro_batch(args.prompts * args.samples, args.trl_micro_batch)
+    accumulation = args.prompts * args.samples // micro_batch
     config = GRPOConfig(
         output_dir=str(out_dir), max_steps=args.iterations,
-        per_device_train_batch_size=args.prompts * args.samples, gradient_accumulation_steps=1,
-        steps_per_generation=1, num_generations=args.samples, max_completion_length=args.max_new_tokens,
+        per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation, num_generations=args.samples, max_completion_length=args.max_new_tokens,
         temperature=args.temperature, top_p=1.0, beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo",
         scale_rewards="group", learning_rate=args.lr, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, logging_steps=1,
@@ -291,6 +300,12 @@ def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
     )
     return GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
                        processing_class=tokenizer, callbacks=[callback])
+
+
+def trl_micro_batch(batch: int, limit: int) -> int:
+    """TRL's ``per_device_train_batch_size``: the largest divisor of the rollout batch up to
+    ``limit`` (gradient accumulation covers the batch in whole micro-batches)."""
+    return max(size for size in range(1, min(batch, limit) + 1) if batch % size == 0)
 
 
 def record_trl_stages() -> dict[str, float]:
@@ -356,6 +371,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="torch threads of the TRL process, and of hybridflow's ranks together")
     run.add_argument("--ranks", type=int, default=2, choices=[1, 2],
                      help="hybridflow's data-parallel CPU ranks, each with --threads / --ranks threads")
+    run.add_argument("--trl-micro-batch", type=int, default=64,
+                     help="TRL's samples per forward/backward (gradient accumulation over the batch)")
+    run.add_argument("--micro-batch-tokens", type=int, default=1024,
+                     help="hybridflow's train.micro_batch_tokens per rank (tiny model)")
     args = parser.parse_args(argv)
     if args.model != "tiny" and (given := [k for k in ARCHITECTURE if getattr(args, k) is not None]):
         parser.error(f"--{given[0].replace('_', '-')} sets the tiny model's shape; --model {args.model} "
@@ -408,6 +427,8 @@ def summarise(args: argparse.Namespace, runs: list, load_before: tuple, load_aft
             "model", "hidden_size", "layers", "intermediate_size", "heads", "kv_heads", "prompts", "samples",
             "max_new_tokens", "lr", "temperature", "fixed_length", "bf16")},
         "hybridflow_ranks": args.ranks,
+        "trl_micro_batch": trl_micro_batch(args.prompts * args.samples, args.trl_micro_batch),
+        "hybridflow_micro_batch_tokens": args.micro_batch_tokens if args.model == "tiny" else None,
         "iterations": args.iterations,
         "seeds": args.seeds,
         "hybridflow_rollout_engine": args.engine,

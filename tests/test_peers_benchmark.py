@@ -75,6 +75,21 @@ def test_workload_flags_reach_the_graph():
         peers.parse_args(["--hidden-size", "100", "--heads", "3"])
 
 
+def test_micro_batches_reach_both_sides():
+    """hybridflow's tiny graph micro-batches by tokens (--micro-batch-tokens); TRL's forward and
+    backward run --trl-micro-batch samples at a time, a divisor of the batch (gradient
+    accumulation over the rest, one generation per optimizer step)."""
+    peers = _peers()
+    train = peers.peers_graph(peers.parse_args([]), 0).spec.models["actor"].train
+    assert (train.micro_batch_tokens, train.remove_padding) == (1024, True)
+    flags = peers.parse_args(["--micro-batch-tokens", "512", "--trl-micro-batch", "32"])
+    assert peers.peers_graph(flags, 0).spec.models["actor"].train.micro_batch_tokens == 512
+    assert [peers.trl_micro_batch(batch, 64) for batch in (256, 96, 12, 7)] == [64, 48, 12, 7]
+    assert peers.trl_micro_batch(256, 32) == 32 and peers.trl_micro_batch(96, 1) == 1
+    summary = peers.summarise(flags, [_fake_run()], (0.0,) * 3, (0.0,) * 3)
+    assert (summary["trl_micro_batch"], summary["hybridflow_micro_batch_tokens"]) == (32, 512)
+
+
 def test_summary_keeps_the_keys_and_adds_curves():
     peers = _peers()
     args = peers.parse_args(["--iterations", "12", "--seeds", "0", "1", "--warmup", "2"])
