@@ -77,6 +77,18 @@ def test_rollout_records_every_log_prob_only_for_an_update_that_reads_them():
     assert not load_graph(GRPO).reads_rollout_log_probs("actor")
 
 
+def test_a_tolerance_without_checked_samples_is_one_line():
+    """log_prob_tolerance with vLLM recording no log-probs would never check: refused."""
+    vllm = ["models.actor.rollout.engine=vllm", "models.actor.rollout.log_prob_tolerance=0.001"]
+    with pytest.raises(SpecError) as info:
+        load_graph(GRPO, [*vllm, "models.actor.rollout.log_prob_check_samples=0"])
+    message = str(info.value)
+    assert "\n" not in message and "grpo.yaml: models.actor.rollout:" in message, message
+    assert "log_prob_check_samples 0" in message
+    load_graph(GRPO, [*vllm, "models.actor.rollout.log_prob_check_samples=null"])
+    load_graph(GRPO, ["models.actor.rollout.log_prob_tolerance=0.001", "models.actor.rollout.log_prob_check_samples=0"])
+
+
 # -- the loss --------------------------------------------------------------------------------
 
 

@@ -144,7 +144,6 @@ class VLLMProbeWorker(Worker):
             "sampled_responses": sampled[K.RESPONSES],
         }
 
-
     @register(Dispatch.ONE_TO_ALL)
     def log_prob_subsets(self) -> dict:
         """3 prompts x 3 samples at several ``log_prob_samples``, vLLM on the train weights."""

@@ -322,12 +322,22 @@ class RolloutSpec(Spec):
         description="rollout.engine vllm: samples per generate call and rollout rank (whole "
         "prompt groups, the first ones) whose rollout log-probs vLLM records for the consistency "
         "check (actor/rollout_log_prob_diff_*, log_prob_tolerance); null = every sample, 0 = none "
-        "(no check). Recording costs vLLM per-token Python work on every sample: 8% of a generate "
-        "call on a hidden-256 model, 20% on a hidden-128 one (benchmarks/RESULTS.md). Every "
-        "sample's are recorded anyway when an update reads them (rollout_correction, "
-        "old_log_probs: rollout), and always by rollout.engine hf, whose log-probs cost nothing "
-        "extra. Like verl's rollout.calculate_log_probs, but on by default for a sample.",
+        "(no check). Recording costs vLLM per-token work on every sample that asks: for all of "
+        "them 9% of a generate call on a hidden-256 model, 16% on a hidden-128 one "
+        "(benchmarks/rollout_log_probs.py). Every sample's are recorded anyway when an update "
+        "reads them (rollout_correction, old_log_probs: rollout), and always by rollout.engine "
+        "hf, whose log-probs cost nothing extra. Like verl's rollout.calculate_log_probs, but on "
+        "by default for a sample.",
     )
+
+    @model_validator(mode="after")
+    def _check_has_samples(self) -> "RolloutSpec":
+        if self.engine == "vllm" and self.log_prob_tolerance is not None and self.log_prob_check_samples == 0:
+            raise ValueError(
+                "log_prob_tolerance needs rollout log-probs to check; log_prob_check_samples 0 "
+                "records none (set it above 0, or null for every sample)"
+            )
+        return self
 
 
 class ModelSpec(Spec):
