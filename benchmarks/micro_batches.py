@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from timing import interleaved_medians  # noqa: E402
 
 
 def engine_side(args: argparse.Namespace) -> None:
@@ -69,23 +71,15 @@ def engine_side(args: argparse.Namespace) -> None:
     def step(engine: TorchTrainEngine) -> None:
         engine.train_step(batch.clone(), ModelWorker._policy_loss(options, ConsistencyStats()))
 
-    for engine in engines.values():
-        step(engine)
-        step(engine)
-    times: dict[str, list[float]] = {setting: [] for setting in engines}
-    for _ in range(args.repeats):
-        for setting, engine in engines.items():
-            start = time.perf_counter()
-            step(engine)
-            times[setting].append(time.perf_counter() - start)
-    medians = {setting: statistics.median(t) * 1000 for setting, t in times.items()}
+    medians = interleaved_medians(
+        {setting: (lambda engine=engine: step(engine)) for setting, engine in engines.items()}, args.repeats
+    )
     first = medians[args.settings[0]]
     print(f"engine update of {size} samples ({length}-token responses), hidden {args.hidden_size}: "
           + " | ".join(f"{s} {ms:.1f} ms ({ms / first:.2f})" for s, ms in medians.items()))
 
 
 def trl_side(args: argparse.Namespace, workload: list[str]) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import peers
     from transformers import TrainerCallback
 

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
+import sys
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import interleaved_medians  # noqa: E402
 
 
 def main() -> None:
@@ -65,21 +68,12 @@ def main() -> None:
                           K.PROMPT_MASK: mask}, batch_size=[args.prompts])
     default = RolloutSpec().log_prob_check_samples
     cases = {"every sample": None, f"{default} samples (default)": default, "none": 0}
-    times: dict[str, list[float]] = {name: [] for name in cases}
 
     def run(samples: int | None) -> None:
         engine.generate(prompts, SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens,
                                                 min_new_tokens=args.max_new_tokens, log_prob_samples=samples))
 
-    for _ in range(2):
-        for samples in cases.values():
-            run(samples)
-    for _ in range(args.repeats):
-        for name, samples in cases.items():
-            start = time.perf_counter()
-            run(samples)
-            times[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(t) * 1000 for name, t in times.items()}
+    medians = interleaved_medians({name: (lambda s=samples: run(s)) for name, samples in cases.items()}, args.repeats)
     every = medians["every sample"]
     print(f"{args.prompts} x {args.n} samples, {args.max_new_tokens} tokens, hidden {args.hidden_size}: "
           + " | ".join(f"{name} {ms:.1f} ms ({ms / every:.2f})" for name, ms in medians.items()))
