@@ -16,13 +16,16 @@ random Qwen2 of the given shape at one thread. Layouts: ``padded`` (the rollout'
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
 from hybridflow.engines.packing import pack, pack_shared_prompts, shared_prompts_cheaper
 from hybridflow.engines.torch_engine import _layout_flops
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import interleaved_medians  # noqa: E402
 
 
 def main() -> None:
@@ -79,18 +82,9 @@ def main() -> None:
                     use_cache=False).logits
         out.flatten(0, 1)[row.index].log_softmax(-1).mean().backward()
 
-    layouts = {"padded": padded, "packed": packed, "shared": shared}
-    times: dict[str, list[float]] = {name: [] for name in layouts}
-    for fn in layouts.values():  # warm-up
-        fn()
-    for _ in range(args.repeats):
-        for name, fn in layouts.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+    medians = interleaved_medians({"padded": padded, "packed": packed, "shared": shared}, args.repeats, warmup=1)
     token_flops, pair_flops = _layout_flops(model)
     share = shared_prompts_cheaper(ids, mask, args.prompt_width, token_flops=token_flops, pair_flops=pair_flops)
-    medians = {name: statistics.median(t) * 1000 for name, t in times.items()}
     print(" | ".join(f"{name} {ms:.1f} ms" for name, ms in medians.items())
           + f" | shared / packed {medians['shared'] / medians['packed']:.2f}"
           + f" | engine picks {'shared' if share else 'packed'}")
