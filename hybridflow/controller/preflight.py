@@ -5,6 +5,7 @@ anything; every failure is a one-line ``SpecError`` naming the file and the fiel
 from __future__ import annotations
 
 import json
+import shutil
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -30,9 +31,16 @@ def _installed(module: str) -> bool:
 
 
 def check_engines_installed(graph: Graph) -> None:
-    """A ``train.engine: megatron`` or ``rollout.engine: vllm`` whose package is missing stops
-    the run here, in one line, instead of as an ImportError inside a worker."""
+    """A ``train.engine: megatron`` or ``rollout.engine: vllm`` whose package is missing, or a
+    ``train.compile`` without the C++ compiler inductor builds its CPU kernels with, stops the
+    run here, in one line, instead of as an error inside a worker."""
     for name, model in graph.spec.models.items():
+        if model.train.compile and not shutil.which("g++") and not shutil.which("c++"):
+            raise SpecError(
+                graph.file, f"models.{name}.train.compile",
+                "torch.compile needs a C++ compiler for its CPU kernels and none is on PATH "
+                "(apt install g++), or set it to false",
+            )
         wanted = [(f"models.{name}.train.engine", model.train.engine)]
         if model.rollout is not None:
             wanted.append((f"models.{name}.rollout.engine", model.rollout.engine))

@@ -27,6 +27,7 @@ from hybridflow.algos import count_sequences, entropy_from_logits, log_probs_fro
 from hybridflow.algos.chunked_logits import chunked_log_probs_entropy
 from hybridflow.data import keys as K
 from hybridflow.engines.base import LossFn, ModelKind, TrainEngine
+from hybridflow.engines.compile import CompiledLayers
 from hybridflow.engines.lora import add_lora, merged_named_weights
 from hybridflow.engines.packing import (
     pack,
@@ -215,6 +216,8 @@ class TorchTrainEngine(TrainEngine):
                     raise
                 self._pack = False
         self._chunk_head = self._chunkable_head()
+        # After the packing probes, which then run eagerly.
+        self._compiled = CompiledLayers(model) if spec.compile else None
         self.process_group = process_group
         distributed = dist.is_available() and dist.is_initialized()
         self.dp_size = dist.get_world_size(process_group) if distributed else 1
@@ -394,6 +397,10 @@ class TorchTrainEngine(TrainEngine):
                 input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, **extra
             ).logits
 
+    def _compiled_layers(self):
+        """Inside: the decoder layers run compiled (``train.compile``); a no-op without."""
+        return self._compiled.active() if self._compiled is not None else nullcontext()
+
     @torch.no_grad()
     def forward(self, batch: TensorDict, temperature: float = 1.0) -> dict[str, torch.Tensor]:
         """No-grad forward in micro-batches; outputs (B, R) are zero outside ``response_mask``.
@@ -407,7 +414,8 @@ class TorchTrainEngine(TrainEngine):
         try:
             rows = self._micro_batch_rows(batch)
             micro_batches = [batch[r] for r in rows] if rows else batch.split(self.spec.micro_batch_size)
-            parts = [self._outputs(self.module, mb, temperature) for mb in micro_batches]
+            with self._compiled_layers():
+                parts = [self._outputs(self.module, mb, temperature) for mb in micro_batches]
         finally:
             self.module.train(was_training)
         out = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
@@ -466,7 +474,7 @@ class TorchTrainEngine(TrainEngine):
         for i, mb in enumerate(micro_batches):
             is_last = i == len(micro_batches) - 1
             sync = nullcontext() if (self._ddp is None or is_last) else self._ddp.no_sync()
-            with sync:
+            with sync, self._compiled_layers():
                 forward_out = self._outputs(model, mb, temperature)
                 forward_out["num_global_tokens"] = num_global_tokens
                 forward_out["num_global_seqs"] = num_global_seqs

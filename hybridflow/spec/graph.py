@@ -230,6 +230,16 @@ class TrainEngineSpec(Spec):
         "backward, so no full-vocabulary float32 logits of a whole micro-batch are held. Equal "
         "to the full logits' read-outs up to float rounding. null = project every token at once.",
     )
+    compile: bool = Field(
+        False,
+        description="Torch engine: torch.compile the model's decoder layers (regional "
+        "compilation: the layer class of the model's _no_split_modules, one compiled graph for "
+        "all layers; inductor fuses the norms, activations and rotary embedding around the "
+        "matrix products), active only in the engine's own forwards and updates (a transformers "
+        "rollout on the same module runs eagerly). The first forward, update and shape change "
+        "each pay a compilation of tens of seconds on CPU, so it pays off over longer runs; "
+        "needs a C++ compiler on CPU. Not with lora.",
+    )
     optim: OptimSpec = Field(default_factory=OptimSpec, description="Used by update nodes.")
     lora: LoraSpec | None = Field(
         None,
@@ -252,6 +262,10 @@ class TrainEngineSpec(Spec):
             raise ValueError("micro_batch_tokens is for train.engine 'torch'")
         if self.lora is not None and self.engine != "torch":
             raise ValueError("lora is for train.engine 'torch'")
+        if self.compile and self.engine != "torch":
+            raise ValueError("compile is for train.engine 'torch'")
+        if self.compile and self.lora is not None:
+            raise ValueError("compile with lora is not supported")
         return self
 
 
