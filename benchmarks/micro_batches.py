@@ -4,8 +4,9 @@
 graph, fused AdamW) on one rank's share of a fixed-length iteration: ``--samples`` samples,
 prompts of 4-8 tokens in 8 columns, ``--response-len`` response tokens, a random Qwen2 of the
 given shape at one thread (a worker of the 2 x 1 pool). One engine per setting in ``--settings``
-(``64``: micro_batch_size 64; ``t1024``: micro_batch_tokens 1024), stepped in turn, ``--repeats``
-rounds after two warm-up steps each; medians printed.
+(``64``: micro_batch_size 64; ``t1024``: micro_batch_tokens 1024; a trailing ``c``, as ``t1024c``:
+with ``train.compile``), stepped in turn, ``--repeats`` rounds after two warm-up steps each
+(compilation falls into them); medians printed.
 
 ``--side trl`` (run with ``.venv-peers``): TRL's whole step (generation, forward, backward,
 AdamW) on peers.py's workload at each ``--trl-micro-batch`` in ``--settings``, 12 steps per
@@ -65,8 +66,10 @@ def engine_side(args: argparse.Namespace) -> None:
     for setting in args.settings:
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(Qwen2Config(**(TINY_QWEN2 | shape), vocab_size=vocab, attn_implementation="sdpa"))
-        cut = {"micro_batch_tokens": int(setting[1:])} if setting.startswith("t") else {"micro_batch_size": int(setting)}
-        engines[setting] = TorchTrainEngine(model, TrainEngineSpec(**cut, optim={"lr": 1e-3, "grad_clip": 1.0}))
+        name = setting.removesuffix("c")
+        cut = {"micro_batch_tokens": int(name[1:])} if name.startswith("t") else {"micro_batch_size": int(name)}
+        engines[setting] = TorchTrainEngine(model, TrainEngineSpec(
+            **cut, compile=setting.endswith("c"), optim={"lr": 1e-3, "grad_clip": 1.0}))
 
     def step(engine: TorchTrainEngine) -> None:
         engine.train_step(batch.clone(), ModelWorker._policy_loss(options, ConsistencyStats()))
@@ -119,7 +122,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--side", choices=["engine", "trl"], default="engine")
     parser.add_argument("--settings", nargs="+", default=None,
-                        help="engine: 64 (samples) or t1024 (tokens) each [64 32 16 t1024]; trl: samples [256 64]")
+                        help="engine: 64 (samples) or t1024 (tokens) each, c appended to compile "
+                             "[64 32 16 t1024]; trl: samples [256 64]")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--intermediate-size", type=int, default=768)
