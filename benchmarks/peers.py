@@ -5,7 +5,7 @@
         [--trl-engine hf|vllm] [--seeds 0 1 2] [--json out.json]
         [--hidden-size 256 --layers 4 --intermediate-size 512 --heads 4 --kv-heads 2]
         [--prompts 16 --samples 8 --max-new-tokens 64 --lr 1e-3 --temperature 1.0] [--iterations 50]
-        [--fixed-length] [--bf16] [--ranks 1|2] [--trl-micro-batch 64] [--micro-batch-tokens 1024]
+        [--fixed-length] [--bf16] [--compile] [--ranks 1|2] [--trl-micro-batch-tokens 4096] [--micro-batch-tokens 1024]
 
 Workload (the same for both; the defaults in brackets): a random-init Qwen2 built from one
 config (hidden [256], [4] layers, intermediate [512], [4] heads, [2] KV heads, tied embeddings),
@@ -41,6 +41,12 @@ forwards and its transformers generation run under it) against hybridflow's
 the vLLM rollout stays float32). Weights and AdamW state stay float32 on both. Without it both
 sides run in float32.
 
+``--compile`` puts each side's training model under ``torch.compile``: TRL's
+``torch_compile=True`` (the Trainer compiles the whole model, which its transformers generation
+then also runs) and hybridflow's ``train.compile`` (the decoder layers, inside the training
+engine only; the vLLM rollout stays eager). Compilations fall into the first iterations: give
+``--warmup`` enough of them for both sides to be past their recompilations.
+
 TRL settings that make the algorithm equal (`tests/test_trl_equivalence.py` proves the first
 update equal to TRL 1.16's formula within 1e-5): `loss_type="dapo"` (token losses summed over
 the batch and divided by its response tokens: hybridflow's token-mean), `scale_rewards="group"`
@@ -53,9 +59,11 @@ ranks (gloo), one torch thread each (``--ranks 1``: one rank of two threads); TR
 process with two torch threads. Both see the same 2 cores, and both step the same fused AdamW.
 
 Micro-batches, each side at its measured best (benchmarks/RESULTS.md: a working set that stays
-in cache beats one large batch by 6-20% on these shapes): TRL's forward/backward runs
-``--trl-micro-batch`` [64] samples at a time (`per_device_train_batch_size`, the largest divisor
-of the batch up to it, with gradient accumulation over the rest), hybridflow's tiny graph
+in cache beats one large batch by 6-20% on these shapes, and very small micro-batches lose
+again): TRL's forward/backward runs micro-batches of about ``--trl-micro-batch-tokens`` [4096]
+tokens of padded width (`per_device_train_batch_size`: the largest divisor of the batch whose
+samples of max prompt length + ``--max-new-tokens`` fit, at least one; gradient accumulation
+over the rest; ``--trl-micro-batch N`` sets N samples instead), hybridflow's tiny graph
 micro-batches of ``--micro-batch-tokens`` [1024] tokens per rank (`train.micro_batch_tokens`,
 verl's ppo_max_token_len_per_gpu). Gradient accumulation changes neither side's update: both
 normalise by the whole batch's tokens. What still differs (sampling RNG streams, prompt order)
@@ -92,6 +100,8 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK = "copy"
+# Each --model's data.max_prompt_length (prompt columns of the padded batch).
+PROMPT_LENGTH = {"tiny": 8, "smollm2": 96}
 LAST = 10  # iterations averaged for the first/last reward
 # Stages that neither nest inside nor overlap one another: TRL's two profiled methods of a step,
 # and peers_graph's generate and update nodes (weight_sync runs inside generate; reward and
@@ -175,18 +185,20 @@ def peers_graph(args: argparse.Namespace, seed: int):
 
     g = GraphBuilder("peers", resources=pool_file(args))
     optim = {"lr": args.lr, "betas": [0.9, 0.999], "grad_clip": 1.0, "weight_decay": 0.0}
-    precision = {"compute_dtype": "bfloat16"} if args.bf16 else {}
+    engine_options = {"compute_dtype": "bfloat16"} if args.bf16 else {}
+    if args.compile:
+        engine_options["compile"] = True
     rollout = {"engine": args.engine, "n": args.samples, "temperature": args.temperature,
                "fixed_length": args.fixed_length}
     if args.model == "smollm2":
         g.model("actor", role="actor", source={"package": SMOLLM2}, rollout=rollout,
-                train={"micro_batch_size": 16, "share_prompts": True, "optim": optim, **precision})
+                train={"micro_batch_size": 16, "share_prompts": True, "optim": optim, **engine_options})
         g.model("reward", role="reward", source={"compute_score": "default"})
         # No ending rule on either side, as graphs/grpo_smollm2.yaml.
         ending = {"unfinished": "keep"}
     else:
         g.model("actor", role="actor", source={"config": model_config(args)}, rollout=rollout,
-                train={"micro_batch_tokens": args.micro_batch_tokens, "optim": optim, **precision})
+                train={"micro_batch_tokens": args.micro_batch_tokens, "optim": optim, **engine_options})
         g.model("reward", role="reward", source={"rule": f"hybridflow.data.tasks:{TASK}_reward"})
         # Fixed length: no response ends, so the ending rule would score every one 0.
         ending = {"unfinished": "keep"} if args.fixed_length else {}
@@ -199,10 +211,10 @@ def peers_graph(args: argparse.Namespace, seed: int):
            clip_ratio=0.2, kl_coef=0.0, mini_batches=1, loss_agg="token-mean")
     if args.model == "smollm2":
         g.data(source="builtin:arith_words", system_prompt=SMOLLM2_SYSTEM_PROMPT, num_train=2000, num_val=8,
-               prompts_per_iteration=args.prompts, max_prompt_length=96,
+               prompts_per_iteration=args.prompts, max_prompt_length=PROMPT_LENGTH["smollm2"],
                max_response_length=args.max_new_tokens, seed=seed)
     else:
-        g.data(source=f"builtin:{TASK}", prompts_per_iteration=args.prompts, max_prompt_length=8,
+        g.data(source=f"builtin:{TASK}", prompts_per_iteration=args.prompts, max_prompt_length=PROMPT_LENGTH["tiny"],
                max_response_length=args.max_new_tokens, seed=seed)
     g.trainer(iterations=args.iterations, seed=seed, val_interval=0, progress=False, save_final=False)
     return g.build()
@@ -285,7 +297,7 @@ def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
         return scores.tolist()
 
     vllm = {"use_vllm": True, "vllm_mode": "colocate"} if args.trl_engine == "vllm" else {}
-    micro_batch = trl_micro_batch(args.prompts * args.samples, args.trl_micro_batch)
+    micro_batch = trl_micro_batch(args)
     accumulation = args.prompts * args.samples // micro_batch
     config = GRPOConfig(
         output_dir=str(out_dir), max_steps=args.iterations,
@@ -295,6 +307,7 @@ def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
         scale_rewards="group", learning_rate=args.lr, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, logging_steps=1,
         report_to="none", save_strategy="no", use_cpu=True, bf16=args.bf16, seed=seed, disable_dropout=True,
+        torch_compile=args.compile,
         dataloader_num_workers=0,
         generation_kwargs=trl_generation_kwargs(args), **vllm,
     )
@@ -302,9 +315,13 @@ def trl_trainer(out_dir: Path, args: argparse.Namespace, callback, seed: int):
                        processing_class=tokenizer, callbacks=[callback])
 
 
-def trl_micro_batch(batch: int, limit: int) -> int:
+def trl_micro_batch(args: argparse.Namespace) -> int:
     """TRL's ``per_device_train_batch_size``: the largest divisor of the rollout batch up to
-    ``limit`` (gradient accumulation covers the batch in whole micro-batches)."""
+    ``--trl-micro-batch`` samples, or up to the samples of padded width that fit
+    ``--trl-micro-batch-tokens`` (gradient accumulation covers the batch in whole micro-batches)."""
+    batch = args.prompts * args.samples
+    width = PROMPT_LENGTH[args.model] + args.max_new_tokens
+    limit = args.trl_micro_batch or max(1, args.trl_micro_batch_tokens // width)
     return max(size for size in range(1, min(batch, limit) + 1) if batch % size == 0)
 
 
@@ -354,6 +371,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     workload.add_argument("--temperature", type=float, help="sampling temperature [1.0; smollm2 0.7]")
     workload.add_argument("--fixed-length", action="store_true",
                           help="EOS ignored on both sides: every sample generates --max-new-tokens")
+    workload.add_argument("--compile", action="store_true",
+                          help="torch.compile on both sides: TRL's torch_compile=True, hybridflow's "
+                               "train.compile (raise --warmup past the compilations)")
     workload.add_argument("--bf16", action="store_true",
                           help="bfloat16 autocast on both sides: TRL's bf16=True, hybridflow's "
                                "train.compute_dtype bfloat16 (weights and AdamW stay float32)")
@@ -371,8 +391,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="torch threads of the TRL process, and of hybridflow's ranks together")
     run.add_argument("--ranks", type=int, default=2, choices=[1, 2],
                      help="hybridflow's data-parallel CPU ranks, each with --threads / --ranks threads")
-    run.add_argument("--trl-micro-batch", type=int, default=64,
-                     help="TRL's samples per forward/backward (gradient accumulation over the batch)")
+    run.add_argument("--trl-micro-batch-tokens", type=int, default=4096,
+                     help="TRL's forward/backward micro-batch, in tokens of padded width (samples: "
+                          "the largest divisor of the batch that fits; gradient accumulation over the rest)")
+    run.add_argument("--trl-micro-batch", type=int,
+                     help="TRL's samples per forward/backward instead (the largest divisor of the batch up to it)")
     run.add_argument("--micro-batch-tokens", type=int, default=1024,
                      help="hybridflow's train.micro_batch_tokens per rank (tiny model)")
     args = parser.parse_args(argv)
@@ -425,9 +448,9 @@ def summarise(args: argparse.Namespace, runs: list, load_before: tuple, load_aft
         "load_average_after": list(load_after),
         "workload": {k: getattr(args, k) for k in (
             "model", "hidden_size", "layers", "intermediate_size", "heads", "kv_heads", "prompts", "samples",
-            "max_new_tokens", "lr", "temperature", "fixed_length", "bf16")},
+            "max_new_tokens", "lr", "temperature", "fixed_length", "bf16", "compile")},
         "hybridflow_ranks": args.ranks,
-        "trl_micro_batch": trl_micro_batch(args.prompts * args.samples, args.trl_micro_batch),
+        "trl_micro_batch": trl_micro_batch(args),
         "hybridflow_micro_batch_tokens": args.micro_batch_tokens if args.model == "tiny" else None,
         "iterations": args.iterations,
         "seeds": args.seeds,

@@ -77,15 +77,24 @@ def test_workload_flags_reach_the_graph():
 
 def test_micro_batches_reach_both_sides():
     """hybridflow's tiny graph micro-batches by tokens (--micro-batch-tokens); TRL's forward and
-    backward run --trl-micro-batch samples at a time, a divisor of the batch (gradient
-    accumulation over the rest, one generation per optimizer step)."""
+    backward run a divisor of the batch at a time (gradient accumulation over the rest, one
+    generation per optimizer step): the samples of padded width within --trl-micro-batch-tokens,
+    or --trl-micro-batch samples."""
     peers = _peers()
     train = peers.peers_graph(peers.parse_args([]), 0).spec.models["actor"].train
     assert (train.micro_batch_tokens, train.remove_padding) == (1024, True)
     flags = peers.parse_args(["--micro-batch-tokens", "512", "--trl-micro-batch", "32"])
     assert peers.peers_graph(flags, 0).spec.models["actor"].train.micro_batch_tokens == 512
-    assert [peers.trl_micro_batch(batch, 64) for batch in (256, 96, 12, 7)] == [64, 48, 12, 7]
-    assert peers.trl_micro_batch(256, 32) == 32 and peers.trl_micro_batch(96, 1) == 1
+    def samples(*argv):
+        return peers.trl_micro_batch(peers.parse_args(list(argv)))
+
+    # 4096 tokens of 8 prompt + 64 new columns: 56 samples at most, of a batch of 16 x 8.
+    assert samples() == 32
+    assert samples("--max-new-tokens", "7", "--prompts", "64", "--samples", "16") == 256  # 273 fit
+    assert samples("--prompts", "12", "--max-new-tokens", "40") == 48  # of 96; 85 fit
+    assert samples("--trl-micro-batch-tokens", "10") == 1
+    assert samples("--model", "smollm2") == 32  # 4 x 8 samples of 96 + 32 columns: the whole batch
+    assert samples("--trl-micro-batch", "64", "--prompts", "12") == 48 and samples("--trl-micro-batch", "7") == 4
     summary = peers.summarise(flags, [_fake_run()], (0.0,) * 3, (0.0,) * 3)
     assert (summary["trl_micro_batch"], summary["hybridflow_micro_batch_tokens"]) == (32, 512)
 
