@@ -140,3 +140,27 @@ def test_unknown_level_names_the_known_ones():
     with pytest.raises(UnknownNameError, match="geometric, sequence, token"):
         correct(is_level="tokens")
     assert IS_LEVELS.names() == ["geometric", "sequence", "token"]
+
+
+@pytest.mark.parametrize(
+    "options", [{"rollout_correction": {"is_level": "token"}}, {"old_log_probs": "rollout"}]
+)
+def test_an_update_that_reads_rollout_log_probs_refuses_a_partly_recorded_batch(options):
+    """rollout.log_prob_check_samples records a sample of rows; an update that reads the rollout's
+    log-probs needs them all, and says so instead of training on zeros."""
+    from tensordict import TensorDict
+
+    from hybridflow.data import keys as K
+    from hybridflow.spec.graph import UpdateOptions
+    from hybridflow.workers.algo_steps import check_rollout_log_probs_recorded
+
+    def batch(recorded):
+        return TensorDict({K.ROLLOUT_LOG_PROBS_RECORDED: torch.tensor(recorded)}, batch_size=[len(recorded)])
+
+    reads = UpdateOptions(**options)
+    with pytest.raises(ValueError, match="'update_actor' reads rollout_log_probs.*only some samples"):
+        check_rollout_log_probs_recorded(batch([True, False, True]), reads, "update_actor")
+    check_rollout_log_probs_recorded(batch([True, True, True]), reads, "update_actor")
+    check_rollout_log_probs_recorded(TensorDict({}, batch_size=[3]), reads, "update_actor")  # hf rollout: no flag
+    # An update that does not read them takes the sample (the consistency check's).
+    check_rollout_log_probs_recorded(batch([True, False, False]), UpdateOptions(), "update_actor")

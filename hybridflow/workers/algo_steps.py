@@ -171,6 +171,17 @@ def apply_safety(
     }
 
 
+def check_rollout_log_probs_recorded(batch: TensorDict, opts: UpdateOptions, node_name: str) -> None:
+    """An update that reads ``rollout_log_probs`` (``rollout_correction``, ``old_log_probs:
+    rollout``) needs every sample's: refuses a batch whose rollout recorded only some
+    (``rollout_log_probs_recorded``, ``rollout.log_prob_check_samples``)."""
+    reads = opts.rollout_correction is not None or opts.old_log_probs == "rollout"
+    recorded = batch.get(K.ROLLOUT_LOG_PROBS_RECORDED, None)
+    if reads and recorded is not None and not bool(recorded.all()):
+        raise ValueError(f"update {node_name!r} reads rollout_log_probs, but the rollout recorded them "
+                         "for only some samples (rollout.log_prob_check_samples)")
+
+
 def apply_rollout_correction(
     batch: TensorDict, opts: UpdateOptions, group: dist.ProcessGroup | None = None
 ) -> dict[str, float]:

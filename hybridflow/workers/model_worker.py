@@ -434,11 +434,7 @@ class ModelWorker(Worker):
         if opts.safety is not None:
             lagrange = self.extra_state[f"lagrange/{node.name}"]
             extra.update(algo_steps.apply_safety(batch, opts, lagrange, algo_steps.dp_sum(self._dp_group(model))))
-        if K.ROLLOUT_LOG_PROBS_RECORDED in batch.keys() and (
-            opts.rollout_correction is not None or opts.old_log_probs == "rollout"
-        ) and not bool(batch[K.ROLLOUT_LOG_PROBS_RECORDED].all()):
-            raise ValueError(f"update {node.name!r} reads rollout_log_probs, but the rollout recorded them "
-                             "for only some samples (rollout.log_prob_check_samples)")
+        algo_steps.check_rollout_log_probs_recorded(batch, opts, node.name)
         if opts.rollout_correction is not None:
             extra.update(algo_steps.apply_rollout_correction(batch, opts, self._dp_group(model)))
         if model in self.train_versions and K.WEIGHT_VERSION in batch.keys():
