@@ -236,9 +236,11 @@ class TrainEngineSpec(Spec):
         "compilation: the layer class of the model's _no_split_modules, one compiled graph for "
         "all layers; inductor fuses the norms, activations and rotary embedding around the "
         "matrix products), active only in the engine's own forwards and updates (a transformers "
-        "rollout on the same module runs eagerly). The first forward, update and shape change "
-        "each pay a compilation of tens of seconds on CPU, so it pays off over longer runs; "
-        "needs a C++ compiler on CPU. Not with lora.",
+        "rollout on the same module runs eagerly). The first forward and the first update "
+        "compile (10-30 s on CPU), and each input dimension seen changing for the first time "
+        "recompiles once (3-11 s), so it pays off in long runs: 0.92x the update's time of a "
+        "hidden-256 model on CPU (benchmarks/RESULTS.md). Needs a C++ compiler on CPU. Not with "
+        "lora.",
     )
     optim: OptimSpec = Field(default_factory=OptimSpec, description="Used by update nodes.")
     lora: LoraSpec | None = Field(
