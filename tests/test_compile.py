@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_packing import EOS, PAD, TINY, VOCAB, _assert_one_sgd_step_equal, _batch
+from test_packing import EOS, PAD, TINY, VOCAB, _assert_one_sgd_step_equal, _batch, _engines
 
 from hybridflow.controller.preflight import check_engines_installed
 from hybridflow.engines.compile import decoder_layers
-from hybridflow.engines.models import build_causal_lm, build_value_model
+from hybridflow.engines.models import build_causal_lm
 from hybridflow.engines.torch_engine import TorchTrainEngine
 from hybridflow.graph.dag import load_graph
-from hybridflow.spec.graph import LoraSpec, OptimSpec, TrainEngineSpec
+from hybridflow.spec.graph import LoraSpec, TrainEngineSpec
 from hybridflow.spec.loading import SpecError
 
 pytestmark = pytest.mark.slow  # each compilation takes seconds
@@ -23,24 +23,12 @@ pytestmark = pytest.mark.slow  # each compilation takes seconds
 BAD_INPUTS = Path(__file__).parent / "bad_inputs"
 
 
-def _pair(kind: str, **spec) -> list[TorchTrainEngine]:
-    build = build_causal_lm if kind == "policy" else build_value_model
-    return [
-        TorchTrainEngine(
-            build(TINY, VOCAB, PAD, EOS, seed=2),
-            TrainEngineSpec(compile=compiled, optim=OptimSpec(grad_clip=None), **spec),
-            kind=kind,
-        )
-        for compiled in (False, True)
-    ]
-
-
 @pytest.mark.parametrize("kind, key", [("policy", "log_probs"), ("value", "values")])
 def test_compiled_layers_equal_eager(kind, key):
     """Forwards and SGD steps over micro-batches of changing shapes (packed rows of ragged
     rollouts, then a second cut: the compiled layers go dynamic) equal the eager engine's."""
     batch = _batch()
-    eager, compiled = _pair(kind, micro_batch_size=5)
+    eager, compiled = _engines(kind, "compile", micro_batch_size=5)
     for size in (5, 3):
         for engine in (eager, compiled):
             engine.spec = engine.spec.model_copy(update={"micro_batch_size": size})

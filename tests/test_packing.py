@@ -127,15 +127,16 @@ def _batch() -> TensorDict:
     return out
 
 
-def _engines(kind: str, **spec):
+def _engines(kind: str, switch: str = "remove_padding", **spec):
+    """Two engines of the same weights, with the spec field ``switch`` false, then true."""
     build = build_causal_lm if kind == "policy" else build_value_model
     return [
         TorchTrainEngine(
             build(TINY, VOCAB, PAD, EOS, seed=2),
-            TrainEngineSpec(remove_padding=packed, optim=OptimSpec(grad_clip=None), **spec),
+            TrainEngineSpec(**{switch: on}, optim=OptimSpec(grad_clip=None), **spec),
             kind=kind,
         )
-        for packed in (False, True)
+        for on in (False, True)
     ]
 
 
