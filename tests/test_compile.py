@@ -41,6 +41,11 @@ def test_compiled_layers_equal_eager(kind, key):
     layers = decoder_layers(compiled.module)
     assert len(layers) == compiled.module.config.num_hidden_layers
     assert all("forward" not in vars(layer) for layer in layers)
+    with compiled._compiled_layers():
+        with compiled._compiled_layers():
+            pass
+        assert all("forward" in vars(layer) for layer in layers)  # the inner exit leaves them compiled
+    assert all("forward" not in vars(layer) for layer in layers)
 
 
 def test_the_layers_share_one_compilation():
