@@ -23,12 +23,20 @@ pytestmark = pytest.mark.slow  # each compilation takes seconds
 BAD_INPUTS = Path(__file__).parent / "bad_inputs"
 
 
-@pytest.mark.parametrize("kind, key", [("policy", "log_probs"), ("value", "values")])
-def test_compiled_layers_equal_eager(kind, key):
+@pytest.mark.parametrize(
+    "kind, key, layout",
+    [
+        ("policy", "log_probs", {}),
+        ("value", "values", {}),
+        ("policy", "log_probs", {"share_prompts": True}),  # a 4D mask into the layers
+        ("policy", "log_probs", {"compute_dtype": "bfloat16"}),  # under autocast
+    ],
+)
+def test_compiled_layers_equal_eager(kind, key, layout):
     """Forwards and SGD steps over micro-batches of changing shapes (packed rows of ragged
     rollouts, then a second cut: the compiled layers go dynamic) equal the eager engine's."""
     batch = _batch()
-    eager, compiled = _engines(kind, "compile", micro_batch_size=5)
+    eager, compiled = _engines(kind, "compile", micro_batch_size=5, **layout)
     for size in (5, 3):
         for engine in (eager, compiled):
             engine.spec = engine.spec.model_copy(update={"micro_batch_size": size})
