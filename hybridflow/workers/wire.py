@@ -1,21 +1,28 @@
 """The wire format of a batch shard: how a ``TensorDict`` is stored in the object store.
 
-A shard travels as a ``WireBatch``: its tensors as they are and its per-sample strings as plain
-lists (a ``NonTensorStack`` of 256 short strings costs ~14 ms to put and get through the object
-store, the same batch's tensors ~2 ms).
+A shard travels as a ``WireBatch``: its per-sample strings as plain lists (a ``NonTensorStack``
+of 256 short strings costs ~14 ms to put and get through the object store, the same batch's
+tensors ~2 ms) and its CPU tensors as their raw bytes. A tensor's own pickling writes each one
+through ``torch.save`` and reads it back through ``torch.load``; raw bytes go into the object
+store as pickle-5 out-of-band buffers and come out as one copy each (the copy keeps the received
+tensors writable: the store's memory is read-only). A put + get of a generate node's shard
+(15 tensors and 2 string fields of 512 rows) takes about 1 ms this way against 4.7 ms (``tests/test_workers.py`` checks
+the round trip).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy
 import torch
 from tensordict import NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_non_tensor
 
 
 class WireBatch:
-    """A flat ``TensorDict`` as it is stored: tensors as they are, non-tensor fields as lists.
+    """A flat ``TensorDict`` as it is stored: non-tensor fields as lists; pickled, its CPU
+    tensors as raw bytes (``tensors`` holds them as tensors on both ends).
 
     ``to_wire`` / ``from_wire`` convert; ``from_wire`` also accepts a plain ``TensorDict`` (what
     a caller that ``ray.put`` a batch itself stores).
@@ -27,7 +34,26 @@ class WireBatch:
         self.tensors, self.lists, self.batch_size = tensors, lists, batch_size
 
     def __reduce__(self):
-        return WireBatch, (self.tensors, self.lists, self.batch_size)
+        fields = {}
+        for key, tensor in self.tensors.items():
+            if tensor.device.type == "cpu" and tensor.layout == torch.strided:
+                data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+                fields[key] = (data, tensor.dtype, tuple(tensor.shape))
+            else:  # a device or sparse tensor: torch's own pickling
+                fields[key] = tensor
+        return _rebuild, (fields, self.lists, self.batch_size)
+
+
+def _rebuild(fields: dict, lists: dict, batch_size: tuple[int, ...]) -> WireBatch:
+    """A ``WireBatch`` from its pickled form, each raw tensor copied out of the received buffer."""
+    tensors = {}
+    for key, value in fields.items():
+        if not isinstance(value, torch.Tensor):
+            data, dtype, shape = value
+            value = torch.empty(shape, dtype=dtype)
+            numpy.copyto(value.reshape(-1).view(torch.uint8).numpy(), data)
+        tensors[key] = value
+    return WireBatch(tensors, lists, batch_size)
 
 
 def to_wire(batch: TensorDictBase) -> WireBatch | TensorDictBase:
