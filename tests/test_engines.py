@@ -84,6 +84,13 @@ def test_place_sequence_reward_and_repeat():
     assert list(repeated[K.PROMPT_TEXT]) == ["p0", "p0", "p1", "p1", "p2", "p2"]
     assert list(repeated[K.GROUND_TRUTH]) == ["g0", "g0", "g1", "g1", "g2", "g2"]
     assert torch.equal(repeated[K.PROMPT_IDS][2], _prompts()[K.PROMPT_IDS][1])
+    assert repeated[3:5][K.GROUND_TRUTH].tolist() == ["g1", "g2"]  # slices like an indexed batch
+    # Mutable items are copied per sample, as tensordict's indexing does.
+    prompts = _prompts()
+    prompts.set("tools", NonTensorStack.from_list([{"calls": []}, {"calls": []}, {"calls": []}]))
+    tools = repeat_interleave_td(prompts, 2)["tools"].tolist()
+    tools[0]["calls"].append("x")
+    assert tools[1] == {"calls": []} and prompts["tools"].tolist()[0] == {"calls": []}
 
 
 # -- models ------------------------------------------------------------------------------------

@@ -5,8 +5,11 @@ Shapes: B = samples, P = prompt length, R = response length, T = P + R.
 
 from __future__ import annotations
 
+import copy
+
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
+from tensordict.utils import is_non_tensor
 
 from hybridflow.data import keys as K
 
@@ -84,8 +87,21 @@ def place_sequence_reward(scores: torch.Tensor, response_mask: torch.Tensor) -> 
 def repeat_interleave_td(td: TensorDict, n: int) -> TensorDict:
     """Each sample of ``td`` repeated ``n`` times, the copies adjacent: (B, ...) -> (B * n, ...).
 
-    Tensor and non-tensor fields (``NonTensorStack`` strings) alike; the result is a copy.
+    Tensor and non-tensor fields (``NonTensorStack`` strings) alike; the result is a copy. The
+    strings are repeated as a list: indexing a ``NonTensorStack`` copies each item through
+    tensordict (about 9 ms against 2 ms for 32 prompts x 16 samples with two string fields).
     """
     assert n >= 1, n
     index = torch.arange(td.batch_size[0], device=td.device).repeat_interleave(n)
-    return td[index]
+    fields = {}
+    for key in td.keys():
+        value = td.get(key)
+        if is_non_tensor(value):
+            # Strings are shared between the copies; anything mutable is copied for each.
+            items = [item if isinstance(item, str) else copy.deepcopy(item) for item in value.tolist() for _ in range(n)]
+            fields[key] = NonTensorStack.from_list(items)
+        elif isinstance(value, torch.Tensor):
+            fields[key] = value[index]
+        else:  # a nested batch: tensordict's own indexing
+            return td[index]
+    return TensorDict(fields, batch_size=[len(index)], device=td.device)
