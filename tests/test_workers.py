@@ -201,7 +201,8 @@ def _batch(values: list[int], texts: list[str]) -> TensorDict:
     )
 
 
-def test_resolve_slices_concatenates_and_merges_with_strings():
+@pytest.mark.parametrize("stored", ["batch", "wire"])  # as a caller's ray.put / a worker's return
+def test_resolve_slices_concatenates_and_merges_with_strings(stored):
     store = {
         "a": _batch([0, 1], ["p0", "p1"]),
         "b": _batch([2, 3, 4], ["p2", "p3", "p4"]),
@@ -209,6 +210,8 @@ def test_resolve_slices_concatenates_and_merges_with_strings():
             {"y": torch.arange(10, 15), "x": torch.full((5,), -1.0)}, batch_size=[5]
         ),
     }
+    if stored == "wire":
+        store = {ref: to_wire(batch) for ref, batch in store.items()}
     fetched = []
 
     def fetch(refs):
@@ -222,6 +225,11 @@ def test_resolve_slices_concatenates_and_merges_with_strings():
     assert batch["x"].tolist() == [1.0, 2.0, 3.0, 4.0]  # "x" of the first input wins
     assert batch["y"].tolist() == [11, 12, 13, 14]
     assert batch.get("text").tolist() == ["p1", "p2", "p3", "p4"]
+    # A partial slice is a copy: it neither keeps nor changes the fetched shard.
+    part = resolve([[("c", 1, 3)]], fetch=fetch)
+    part["y"].zero_()
+    assert from_wire(store["c"])["y"].tolist() == [10, 11, 12, 13, 14]
+    assert set(resolve(pieces_per_input, fetch=fetch, with_text=False).keys()) == {"x", "y"}
 
 
 def test_resolve_rejects_mismatched_batch_sizes():

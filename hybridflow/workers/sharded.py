@@ -23,7 +23,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from hybridflow.workers.accounting import controller_get, count_fetched
-from hybridflow.workers.wire import from_wire, to_wire
+from hybridflow.workers.wire import WireBatch, from_wire, to_wire
 
 # (shard ref, start, stop): rows [start, stop) of one shard, indices local to that shard.
 Piece = tuple[Any, int, int]
@@ -213,14 +213,21 @@ def resolve(
     distinct = list(dict.fromkeys(ref for pieces in pieces_per_input for ref, _, _ in pieces))
     fetched = fetch(distinct)
     count_fetched(fetched)
-    shards = {ref: from_wire(shard, with_text) for ref, shard in zip(distinct, fetched)}
+    shards = dict(zip(distinct, fetched))
     parts = []
     for index, pieces in enumerate(pieces_per_input):
         if not pieces:
             raise ValueError(f"resolve: input {index} has no pieces")
-        chunks = [_slice(shards[ref], start, stop) for ref, start, stop in pieces]
+        chunks = [_piece(shards[ref], start, stop, with_text) for ref, start, stop in pieces]
         parts.append(chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=0))
     return merge_fields(parts)
+
+
+def _piece(stored: WireBatch | TensorDictBase, start: int, stop: int, with_text: bool) -> TensorDictBase:
+    """Rows ``[start, stop)`` of a fetched shard as a batch (sliced before it is built)."""
+    if isinstance(stored, WireBatch) and (start, stop) != (0, stored.batch_size[0]):
+        return from_wire(stored.rows(start, stop), with_text)
+    return _slice(from_wire(stored, with_text), start, stop)
 
 
 def _slice(shard: TensorDictBase, start: int, stop: int) -> TensorDictBase:

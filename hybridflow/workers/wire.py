@@ -33,6 +33,16 @@ class WireBatch:
     def __init__(self, tensors: dict, lists: dict, batch_size: tuple[int, ...]) -> None:
         self.tensors, self.lists, self.batch_size = tensors, lists, batch_size
 
+    def rows(self, start: int, stop: int) -> "WireBatch":
+        """Rows ``[start, stop)``, copied (a view would keep the whole shard alive, and a
+        returned view would store it again). Slicing the lists first spares building the
+        ``NonTensorStack`` of the rows left out, and tensordict's slow copy of the kept ones."""
+        return WireBatch(
+            {key: tensor[start:stop].clone() for key, tensor in self.tensors.items()},
+            {key: values[start:stop] for key, values in self.lists.items()},
+            (stop - start, *self.batch_size[1:]),
+        )
+
     def __reduce__(self):
         fields = {}
         for key, tensor in self.tensors.items():
