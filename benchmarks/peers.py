@@ -55,7 +55,8 @@ the batch and divided by its response tokens: hybridflow's token-mean), `scale_r
 `steps_per_generation` = `gradient_accumulation_steps` (one generation and one optimizer step
 per rollout batch, so neither side runs a separate old-log-prob forward: 1 generate + 1 pass of
 forward/backward micro-batches each). hybridflow runs its default CPU layout: two data-parallel
-ranks (gloo), one torch thread each (``--ranks 1``: one rank of two threads); TRL runs in this
+ranks (gloo), one torch thread each (``--ranks 1``: one rank of two threads; also the default
+when ``--prompts`` is odd, since each rank takes whole prompt groups); TRL runs in this
 process with two torch threads. Both see the same 2 cores, and both step the same fused AdamW.
 
 Micro-batches, each side at its measured best (benchmarks/RESULTS.md: a working set that stays
@@ -389,8 +390,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--warmup", type=int, default=3, help="iterations left out of the timings")
     run.add_argument("--threads", type=int, default=2,
                      help="torch threads of the TRL process, and of hybridflow's ranks together")
-    run.add_argument("--ranks", type=int, default=2, choices=[1, 2],
-                     help="hybridflow's data-parallel CPU ranks, each with --threads / --ranks threads")
+    run.add_argument("--ranks", type=int, choices=[1, 2],
+                     help="hybridflow's data-parallel CPU ranks, each with --threads / --ranks threads "
+                          "[2; 1 when --prompts is odd]")
     run.add_argument("--trl-micro-batch-tokens", type=int, default=4096,
                      help="TRL's forward/backward micro-batch, in tokens of padded width (samples: "
                           "the largest divisor of the batch that fits; gradient accumulation over the rest)")
@@ -407,6 +409,15 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.iterations < max(LAST, args.warmup + 1):
         parser.error(f"--iterations must be at least {max(LAST, args.warmup + 1)}")
+    if args.ranks is None:
+        # Each rank takes whole prompt groups (graph validation: data.prompts_per_iteration).
+        args.ranks = 2 if args.prompts % 2 == 0 else 1
+        if args.ranks == 1:
+            print(f"hybridflow runs one rank of {args.threads} threads: {args.prompts} prompts do not "
+                  "split over two ranks (each takes whole prompt groups)", flush=True)
+    elif args.prompts % args.ranks:
+        parser.error(f"--prompts {args.prompts} does not split over --ranks {args.ranks} "
+                     "(each rank takes whole prompt groups)")
     if args.model == "tiny" and (args.hidden_size % args.heads or args.heads % args.kv_heads):
         parser.error("--hidden-size must divide by --heads, and --heads by --kv-heads")
     return args

@@ -75,6 +75,19 @@ def test_workload_flags_reach_the_graph():
         peers.parse_args(["--hidden-size", "100", "--heads", "3"])
 
 
+def test_an_odd_prompt_count_runs_on_one_rank():
+    """Each rank takes whole prompt groups: an odd --prompts runs hybridflow on one rank of both
+    threads (its graph then validates) unless --ranks 2 is asked for, which is refused."""
+    peers = _peers()
+    assert peers.parse_args(["--prompts", "6"]).ranks == 2
+    odd = peers.parse_args(["--prompts", "7", "--samples", "6"])
+    assert odd.ranks == 1
+    spec = peers.peers_graph(odd, 0).spec  # validates: 7 prompts over one rank
+    assert spec.data.prompts_per_iteration == 7
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--prompts", "7", "--ranks", "2"])
+
+
 def test_micro_batches_reach_both_sides():
     """hybridflow's tiny graph micro-batches by tokens (--micro-batch-tokens); TRL's forward and
     backward run a divisor of the batch at a time (gradient accumulation over the rest, one
