@@ -145,6 +145,25 @@ class VLLMProbeWorker(Worker):
         }
 
     @register(Dispatch.ONE_TO_ALL)
+    def load_both_ways(self) -> dict:
+        """``self.other``'s weights (its state dict, a tied head's copy included) loaded in place,
+        then through vLLM's layer-wise reload: the greedy tokens and log-probs after each, and
+        ``self.other``'s own log-probs of the first; then the train engine's weights back."""
+        prompts = _prompts(self.tokenizer, ["abc=", "hhgfe=", "d="])
+        params = SamplingParams(n=1, max_new_tokens=MAX_NEW, greedy=True)
+        result = {}
+        for path in ("in_place", "reload"):
+            self.vllm._in_place = path == "in_place"
+            self.vllm.load_weights(iter(list(self.other.state_dict().items())))
+            out = self.vllm.generate(prompts, params)
+            result[path] = {"tokens": out[K.RESPONSES], "lp": out[K.ROLLOUT_LOG_PROBS],
+                            "mask": out[K.RESPONSE_MASK], "in_place": self.vllm.last_load["in_place"],
+                            "plain": _plain_log_probs(self.other, out) * out[K.RESPONSE_MASK]}
+        self.vllm._in_place = True
+        self.vllm.load_weights(self.train.named_weights())
+        return result
+
+    @register(Dispatch.ONE_TO_ALL)
     def log_prob_subsets(self) -> dict:
         """3 prompts x 3 samples at several ``log_prob_samples``, vLLM on the train weights."""
         from hybridflow.hybrid_engine.sync import sync_weights
@@ -296,6 +315,7 @@ def _assert_probe(results: list[dict], world: int, tol: float = 1e-4) -> None:
         assert not torch.equal(before["vllm_tokens"], after["vllm_tokens"])
         assert (before["vllm_lp"] - after["vllm_lp"]).abs().max() > 0.1
         assert res["last_load"]["loaded"] >= 20 and res["last_load"]["repacked"] == 1
+        assert res["last_load"]["in_place"] == float(world == 2)  # on CPU; the GPU probe reloads
         assert res["weight_bytes"] == res["train_bytes"]  # vLLM's own copy, reported as loaded
         # Sampling: n adjacent samples per prompt, per-prompt fields repeated, rollout log-probs
         # at the sampled tokens equal the train engine's, zero outside the mask.
@@ -312,6 +332,19 @@ def test_weight_sync_matches_train_engine(cpu_probe):
     """Colocated in 2 Ray workers (DDP over gloo): after one update synced in memory, vLLM's greedy
     tokens equal the train engine's greedy decode and log-probs agree within 1e-4."""
     _assert_probe(_run_probe(cpu_probe), world=2)
+
+
+@pytest.mark.slow  # on the probe's engines: seconds once they are up
+def test_in_place_load_equals_vllms_reload(cpu_probe):
+    """On CPU the engine loads weights in place (each packed layer rebuilt and re-packed by vLLM's
+    own dispatch) instead of through vLLM's layer-wise reload: the same weights give the same
+    greedy tokens and log-probs either way, and they are the loaded model's."""
+    for res in ray.get(cpu_probe.call("load_both_ways")):
+        fast, slow = res["in_place"], res["reload"]
+        assert (fast["in_place"], slow["in_place"]) == (1.0, 0.0)
+        assert torch.equal(fast["tokens"], slow["tokens"])
+        assert torch.allclose(fast["lp"], slow["lp"], atol=1e-6, rtol=0)
+        assert (fast["lp"] - fast["plain"]).abs()[fast["mask"].bool()].max() < 1e-4
 
 
 def _first_mismatch(a: torch.Tensor, b: torch.Tensor, tol: float) -> list[int]:
