@@ -65,7 +65,10 @@ def _assert_same_tensors(back: dict, sent: dict) -> None:
         assert got.dtype == tensor.dtype and got.shape == tensor.shape, key
         assert torch.equal(got, tensor.detach()), key
         assert not got.requires_grad
-        got.add_(1) if got.dtype != torch.bool else got.logical_not_()  # writable, not the sender's memory
+        if got.dtype == torch.bool:  # writable, and not the sender's memory
+            got.logical_not_()
+        else:
+            got.add_(1)
     assert torch.equal(sent["ids"], torch.arange(12).reshape(4, 3))
 
 

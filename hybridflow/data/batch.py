@@ -98,8 +98,10 @@ def repeat_interleave_td(td: TensorDict, n: int) -> TensorDict:
         value = td.get(key)
         if is_non_tensor(value):
             # Strings are shared between the copies; anything mutable is copied for each.
-            items = [item if isinstance(item, str) else copy.deepcopy(item) for item in value.tolist() for _ in range(n)]
-            fields[key] = NonTensorStack.from_list(items)
+            items = value.tolist()
+            fields[key] = NonTensorStack.from_list(
+                [item if isinstance(item, str) else copy.deepcopy(item) for item in items for _ in range(n)]
+            )
         elif isinstance(value, torch.Tensor):
             fields[key] = value[index]
         else:  # a nested batch: tensordict's own indexing
