@@ -166,28 +166,29 @@ def _retie_and_repack(worker: Any) -> int:
     return 1
 
 
-def _in_place_targets(model: nn.Module, tied: bool) -> tuple[dict[str, list[str]], dict[str, str]]:
-    """What an in-place load fills: each linear layer vLLM packed at start (``cpu_linear``)
-    -> the HF weight names of its parts, in order (``packed_modules_mapping``: q/k/v,
-    gate/up); and each HF name that is a plain vLLM parameter (embeddings, norms, biases) ->
-    that parameter's name. A ``tied`` ``lm_head`` is neither (``_retie_and_repack`` redoes it)."""
+def _in_place_targets(model: nn.Module, tied: bool) -> tuple[dict[str, list[str]], set[str]]:
+    """What an in-place load fills: each vLLM parameter -> the HF names of the tensors that make
+    it, in order. A linear layer vLLM packed at start (``cpu_linear``) takes its weight, and its
+    bias if any, from its parts (``packed_modules_mapping``: q/k/v, gate/up); every other
+    parameter the HF tensor of its own name; a ``tied`` ``lm_head`` none (``_retie_and_repack``
+    redoes it). Also returns the packed layers' weight names (they are re-packed, not copied)."""
     packed = getattr(model, "packed_modules_mapping", {}) or {}
-    linears: dict[str, list[str]] = {}
-    params: dict[str, str] = {}
+    targets: dict[str, list[str]] = {}
+    linears: set[str] = set()
     for name, module in model.named_modules():
         if not hasattr(module, "cpu_linear") or isinstance(module, _vocab_embedding_class()):
             continue
+        linears.add(name)
         base, _, leaf = name.rpartition(".")
         parts = [f"{base}.{part}" if base else part for part in packed.get(leaf, [leaf])]
-        linears[name] = [f"{part}.weight" for part in parts]
+        targets[f"{name}.weight"] = [f"{part}.weight" for part in parts]
         if getattr(module, "bias", None) is not None:
-            params.update({f"{part}.bias": f"{name}.bias" for part in parts})  # concatenated below
-    for name, param in model.named_parameters():
+            targets[f"{name}.bias"] = [f"{part}.bias" for part in parts]
+    for name, _ in model.named_parameters():
         owner = name.rpartition(".")[0]
-        if owner in linears or (tied and owner == "lm_head"):
-            continue
-        params[name] = name
-    return linears, params
+        if owner not in linears and not (tied and owner == "lm_head"):
+            targets[name] = [name]
+    return targets, {f"{name}.weight" for name in linears}
 
 
 def _vocab_embedding_class() -> type:
@@ -198,54 +199,51 @@ def _vocab_embedding_class() -> type:
 
 def _load_in_place(worker: Any, weights: Iterator[tuple[str, torch.Tensor]], names: set[str]) -> bool:
     """Runs inside vLLM's worker (CPU, tp 1, no LoRA): load ``weights`` (HF names) into the live
-    model without vLLM's layer-wise reload. Each packed linear layer is rebuilt from its parts
-    once they have all arrived and re-packed by vLLM's own CPU dispatch (what start-up did);
-    every other parameter is copied in place (an embedding's first rows: vLLM pads the
-    vocabulary), an untied ``lm_head`` then re-packed. Returns False, without touching
-    ``weights``, when the model's layers do not map onto ``names`` (the checkpoint's) one to
-    one; the caller then reloads."""
+    model without vLLM's layer-wise reload. Each vLLM parameter is written once all its parts
+    have arrived: a packed linear layer's weight is rebuilt and re-packed by vLLM's own CPU
+    dispatch (what start-up did); every other parameter is copied in place (an embedding's
+    first rows: vLLM pads the vocabulary), an untied ``lm_head`` then re-packed. Returns False,
+    without touching ``weights``, when the model's parameters do not map onto ``names`` (the
+    checkpoint's) one to one; the caller then reloads."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     model = worker.model_runner.get_model()
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    linears, params = _in_place_targets(model, tied)
-    part_of = {part: (layer, i) for layer, parts in linears.items() for i, part in enumerate(parts)}
-    if set(part_of) | set(params) != names or set(part_of) & set(params):
+    targets, repacked = _in_place_targets(model, tied)
+    part_of = {part: (target, i) for target, parts in targets.items() for i, part in enumerate(parts)}
+    if set(part_of) != names or len(part_of) != sum(len(parts) for parts in targets.values()):
         return False
     modules = dict(model.named_modules())
     live = dict(model.named_parameters())
     # The logits' weights are packed like a linear layer's; the input embedding's packed copy
     # is never used. A tied head is re-tied and re-packed after the load (_retie_and_repack).
     head = getattr(model, "lm_head", None)
-    pending: dict[str, dict] = {}  # linear layer -> its parts so far (weights and biases)
+    pending: dict[str, dict[int, torch.Tensor]] = {}  # vLLM parameter -> its parts so far
     with torch.no_grad():
         for name, tensor in weights:
-            if name in part_of:
-                layer, index = part_of[name]
-                pending.setdefault(layer, {})[index] = tensor
-                if len(pending[layer]) < len(linears[layer]):
+            if name not in part_of:
+                if tied and name.startswith("lm_head."):  # a tied head's copy: re-tied below
                     continue
-                module, parts = modules[layer], pending.pop(layer)
-                # (the emptied parameter start-up left keeps the dtype)
-                weight = torch.cat([parts[i] for i in range(len(parts))]).to(module.weight.dtype)
-                module.weight = nn.Parameter(weight, requires_grad=False)
-                dispatch_cpu_unquantized_gemm(module, remove_weight=True)
-            elif name in params and name.endswith(".bias") and params[name] != name:
-                pending.setdefault(params[name], {})[name] = tensor
-                layer = params[name].rpartition(".")[0]
-                bias_parts = [f"{part[: -len('.weight')]}.bias" for part in linears[layer]]
-                if all(part in pending[params[name]] for part in bias_parts):
-                    given = pending.pop(params[name])
-                    live[params[name]].copy_(torch.cat([given[part] for part in bias_parts]))
-            elif name in params:
-                target = live[params[name]]
-                (target[: tensor.shape[0]] if target.shape != tensor.shape else target).copy_(tensor)
-                if modules[params[name].rpartition(".")[0]] is head:  # an untied head's packed copy
-                    head.quant_method.process_weights_after_loading(head)
-            elif not (tied and name.startswith("lm_head.")):  # a tied head's copy: re-tied below
                 raise ValueError(f"vLLM in-place load: no target for {name!r}")
+            target, index = part_of[name]
+            pending.setdefault(target, {})[index] = tensor
+            if len(pending[target]) < len(targets[target]):
+                continue
+            parts = pending.pop(target)
+            owner = modules[target.rpartition(".")[0]]
+            if target in repacked:
+                # A new tensor (cat copies), in the dtype the emptied parameter start-up left keeps.
+                weight = torch.cat([parts[i] for i in range(len(parts))]).to(owner.weight.dtype)
+                owner.weight = nn.Parameter(weight, requires_grad=False)
+                dispatch_cpu_unquantized_gemm(owner, remove_weight=True)
+                continue
+            value = torch.cat([parts[i] for i in range(len(parts))]) if len(parts) > 1 else parts[0]
+            param = live[target]
+            (param[: value.shape[0]] if param.shape != value.shape else param).copy_(value)
+            if owner is head:  # an untied head's packed copy
+                head.quant_method.process_weights_after_loading(head)
     if pending:
-        raise ValueError(f"vLLM in-place load: layers given in part: {sorted(pending)}")
+        raise ValueError(f"vLLM in-place load: parameters given in part: {sorted(pending)}")
     return True
 
 
