@@ -59,7 +59,7 @@ class VLLMProbeWorker(Worker):
     """One rank: a torch train engine (DDP over the group's gloo), the transformers engine on
     its module and a vLLM engine started from the same initial weights, all in one process."""
 
-    def __init__(self, rank, world_size, master_addr, master_port, threads, *, dtype="float32"):
+    def __init__(self, rank, world_size, master_addr, master_port, threads, *, dtype="float32", enforce_eager=True):
         super().__init__(rank, world_size, master_addr, master_port, threads)
         import tempfile
 
@@ -84,7 +84,8 @@ class VLLMProbeWorker(Worker):
         self.other = build_causal_lm(ModelSource(config=TINY_VLLM), len(self.tokenizer), pad, eos, seed=1, dtype=dtype)
         model_dir = save_for_vllm(module, self.tokenizer, tempfile.mkdtemp(prefix="vllm-probe-"))
         self.vllm = VLLMRolloutEngine(
-            model_dir, eos_id=eos, pad_id=pad, max_model_len=32, seed=rank, dtype=dtype
+            model_dir, eos_id=eos, pad_id=pad, max_model_len=32, seed=rank, dtype=dtype,
+            enforce_eager=enforce_eager,
         )
 
     def _greedy(self, prompts: TensorDict) -> dict:
@@ -100,6 +101,15 @@ class VLLMProbeWorker(Worker):
             "hf_lp": out_h[K.ROLLOUT_LOG_PROBS],
             "train_lp": train_lp,
         }
+
+    @register(Dispatch.ONE_TO_ALL)
+    def compiled(self) -> bool:
+        """Whether vLLM compiled the model in this process, or loaded it compiled from its
+        cache (vLLM's own compilation counters)."""
+        from vllm.compilation.counter import compilation_counter as counts
+
+        return (counts.num_aot_compiles + counts.num_aot_artifacts_loaded + counts.num_backend_compilations
+                + counts.num_compiled_artifacts_loaded) > 0
 
     @register(Dispatch.ONE_TO_ALL)
     def update_and_compare(self, texts: list[str], target: str) -> dict:
@@ -273,15 +283,16 @@ def _plain_log_probs(module, batch: TensorDict) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _probe_group(device: str, dtype: str = "float32"):
+def _probe_group(device: str, dtype: str = "float32", enforce_eager: bool = True):
     """The probe's ranks (2 on CPU, DDP over gloo; 1 on GPU), shut down afterwards."""
     from hybridflow.placement.pools import ResourcePool
     from hybridflow.workers.group import WorkerGroup
 
     spec = PoolSpec(devices_per_node=1 if device == "gpu" else 2, device=device, cpus_per_device=1)
-    pool = ResourcePool(f"vllm_probe_{device}", spec)
-    group = WorkerGroup(VLLMProbeWorker, pool, {"dtype": dtype}, name=f"vllm_probe_{device}",
-                        ready_timeout_s=300)
+    name = f"vllm_probe_{device}" + ("" if enforce_eager else "_compiled")  # beside the shared probe
+    pool = ResourcePool(name, spec)
+    group = WorkerGroup(VLLMProbeWorker, pool, {"dtype": dtype, "enforce_eager": enforce_eager},
+                        name=name, ready_timeout_s=600)
     try:
         yield group
     finally:
@@ -331,7 +342,18 @@ def _assert_probe(results: list[dict], world: int, tol: float = 1e-4) -> None:
 def test_weight_sync_matches_train_engine(cpu_probe):
     """Colocated in 2 Ray workers (DDP over gloo): after one update synced in memory, vLLM's greedy
     tokens equal the train engine's greedy decode and log-probs agree within 1e-4."""
+    assert ray.get(cpu_probe.call("compiled")) == [False, False]  # rollout.enforce_eager's default
     _assert_probe(_run_probe(cpu_probe), world=2)
+
+
+@pytest.mark.slow  # vLLM compiles the model in two Ray workers at start: ~1.5 min on 2 cores
+def test_compiled_engine_matches_train_engine(ray_session):
+    """rollout.enforce_eager false: vLLM runs the model compiled (torch.compile, inductor on
+    CPU), and takes each update in place into the compiled model: greedy tokens equal the train
+    engine's, log-probs within 1e-4, before and after a synced update."""
+    with _probe_group("cpu", enforce_eager=False) as group:
+        assert ray.get(group.call("compiled")) == [True, True]
+        _assert_probe(_run_probe(group), world=2)
 
 
 @pytest.mark.slow  # on the probe's engines: seconds once they are up

@@ -200,6 +200,7 @@ class RolloutEngine(abc.ABC):
         temperature: float = 1.0,
         adapter_config: dict[str, Any] | None = None,
         shared_prefix_len: int | None = None,
+        enforce_eager: bool = True,
     ) -> "RolloutEngine":
         """The rollout engine of an actor whose train engine holds ``module`` (the full HF
         model, in this process): it may generate from the module itself or take a copy.
@@ -209,7 +210,8 @@ class RolloutEngine(abc.ABC):
         ``adapter_config``: the actor trains LoRA adapters of this peft config (``module``
         holds them); the engine then takes adapter updates through ``load_adapter``.
         ``shared_prefix_len``: the longest prefix two requests can have in common (an engine
-        with a prefix cache may leave it off below what it can reuse)."""
+        with a prefix cache may leave it off below what it can reuse). ``enforce_eager=False``:
+        an engine that can compile its model (``rollout.enforce_eager``) does so."""
 
     @abc.abstractmethod
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:

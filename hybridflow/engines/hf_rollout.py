@@ -79,10 +79,12 @@ class HFRolloutEngine(RolloutEngine):
         temperature: float = 1.0,
         adapter_config=None,
         shared_prefix_len: int | None = None,
+        enforce_eager: bool = True,
     ) -> "HFRolloutEngine":
         """Generates from the train engine's own ``module`` (same layout, no copy); records
         log-probs at each call's own temperature, so ``temperature`` is not needed here (nor
-        ``shared_prefix_len``: transformers' generate keeps no cache across calls). A
+        ``shared_prefix_len``: transformers' generate keeps no cache across calls; nor
+        ``enforce_eager``: the module runs as the train engine has it). A
         LoRA actor's module holds its adapters: they generate as they train."""
         return cls(module, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer)
 

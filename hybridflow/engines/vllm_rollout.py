@@ -407,6 +407,7 @@ class VLLMRolloutEngine(RolloutEngine):
         tensor_parallel_size: int = 1,
         tp_ranks: list[int] | None = None,
         shared_prefix_len: int | None = None,
+        enforce_eager: bool = True,
     ) -> None:
         vllm = import_vllm()
         self.tokenizer = tokenizer  # finds stop strings of multi-turn rollouts (generate_turns)
@@ -463,7 +464,7 @@ class VLLMRolloutEngine(RolloutEngine):
             # Token ids in, token ids out: vLLM needs no tokenizer and never detokenizes.
             skip_tokenizer_init=True,
             logprobs_mode=vllm_logprobs_mode(temperature),
-            enforce_eager=True,
+            enforce_eager=enforce_eager,
             disable_log_stats=True,
             **memory,
             **batching,
@@ -499,6 +500,7 @@ class VLLMRolloutEngine(RolloutEngine):
         tensor_parallel_size: int = 1,
         tp_ranks: list[int] | None = None,
         shared_prefix_len: int | None = None,
+        enforce_eager: bool = True,
     ) -> "VLLMRolloutEngine":
         """Starts once from ``module``'s initial weights written to a temporary HF directory
         (removed once loaded), then takes every update in memory through ``load_weights``.
@@ -524,6 +526,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 tensor_parallel_size=tensor_parallel_size,
                 tp_ranks=tp_ranks,
                 shared_prefix_len=shared_prefix_len,
+                enforce_eager=enforce_eager,
             )
         finally:
             shutil.rmtree(model_dir, ignore_errors=True)

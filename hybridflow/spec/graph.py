@@ -287,6 +287,15 @@ class RolloutSpec(Spec):
         "(no EOS): pair it with the score node's unfinished: keep. Greedy (validation) "
         "generation is left alone.",
     )
+    enforce_eager: bool = Field(
+        True,
+        description="rollout.engine vllm: run the model eagerly (verl's rollout.enforce_eager). "
+        "false: vLLM compiles it when the engine starts (torch.compile; on GPU also CUDA graphs), "
+        "which takes longer to start (on CPU about 15 s more for a tiny model) and decodes faster "
+        "where the model's many small operations, not its matrix products, bound a step: on CPU "
+        "28% less generate time for 24 sequences of a hidden-96 model, 5-7% for 128-512 sequences "
+        "(benchmarks/RESULTS.md). Ignored by rollout.engine hf.",
+    )
     layout: ParallelLayout = Field(
         default_factory=ParallelLayout,
         description="Generation layout (tg, pg); divides the training tp, pp. The rollout "

@@ -171,6 +171,7 @@ class ModelWorker(Worker):
             max_num_seqs=data.prompts_per_iteration * rollout.n,
             temperature=rollout.temperature,
             adapter_config=adapter_config,
+            enforce_eager=rollout.enforce_eager,
             **_generation_tp(self.graph.layouts[name], rollout.layout.tp, self.rank, self.spec.trainer.seed),
         )
 
