@@ -5,7 +5,8 @@
         [--trl-engine hf|vllm] [--seeds 0 1 2] [--json out.json]
         [--hidden-size 256 --layers 4 --intermediate-size 512 --heads 4 --kv-heads 2]
         [--prompts 16 --samples 8 --max-new-tokens 64 --lr 1e-3 --temperature 1.0] [--iterations 50]
-        [--fixed-length] [--bf16] [--compile] [--ranks 1|2] [--trl-micro-batch-tokens 4096] [--micro-batch-tokens 1024]
+        [--fixed-length] [--bf16] [--compile] [--vllm-compile on|off] [--ranks 1|2]
+        [--trl-micro-batch-tokens 4096] [--micro-batch-tokens 1024]
 
 Workload (the same for both; the defaults in brackets): a random-init Qwen2 built from one
 config (hidden [256], [4] layers, intermediate [512], [4] heads, [2] KV heads, tied embeddings),
@@ -44,8 +45,18 @@ sides run in float32.
 ``--compile`` puts each side's training model under ``torch.compile``: TRL's
 ``torch_compile=True`` (the Trainer compiles the whole model, which its transformers generation
 then also runs) and hybridflow's ``train.compile`` (the decoder layers, inside the training
-engine only; the vLLM rollout stays eager). Compilations fall into the first iterations: give
-``--warmup`` enough of them for both sides to be past their recompilations.
+engine only; the vLLM rollout is the next flag's). Compilations fall into the first iterations:
+give ``--warmup`` enough of them for both sides to be past their recompilations.
+
+``--vllm-compile`` [on for the tiny model]: hybridflow's vLLM rollout compiles its model when the
+engine starts (``rollout.enforce_eager: false``: torch.compile, inductor's C++ code on CPU),
+outside the timed iterations. On the tiny models a decoding step is bound by many small
+operations, and compiled it takes 5-28% less generate time (most on small batches;
+benchmarks/RESULTS.md). TRL has no counterpart that pays on CPU: transformers compiles a
+generation's forward only on accelerators (CUDA, XPU, ...; on CPU a static cache measured the
+same as the dynamic one),
+and ``--compile``'s whole-model compile falls back to eager at generation's changing shapes.
+``off`` runs vLLM eagerly; SmolLM2's runs are eager unless asked (not measured compiled).
 
 TRL settings that make the algorithm equal (`tests/test_trl_equivalence.py` proves the first
 update equal to TRL 1.16's formula within 1e-5): `loss_type="dapo"` (token losses summed over
@@ -116,8 +127,10 @@ SMOLLM2_SYSTEM_PROMPT = "Answer with just the final number."  # graphs/grpo_smol
 # The workload flags each --model starts from (the tiny model's architecture flags only apply to it).
 DEFAULTS = {
     "tiny": {"hidden_size": 256, "layers": 4, "intermediate_size": 512, "heads": 4, "kv_heads": 2,
-             "prompts": 16, "samples": 8, "max_new_tokens": 64, "lr": 1e-3, "temperature": 1.0},
-    "smollm2": {"prompts": 4, "samples": 8, "max_new_tokens": 32, "lr": 3e-5, "temperature": 0.7},
+             "prompts": 16, "samples": 8, "max_new_tokens": 64, "lr": 1e-3, "temperature": 1.0,
+             "vllm_compile": "on"},
+    "smollm2": {"prompts": 4, "samples": 8, "max_new_tokens": 32, "lr": 3e-5, "temperature": 0.7,
+                "vllm_compile": "off"},
 }
 ARCHITECTURE = ("hidden_size", "layers", "intermediate_size", "heads", "kv_heads")
 
@@ -190,7 +203,7 @@ def peers_graph(args: argparse.Namespace, seed: int):
     if args.compile:
         engine_options["compile"] = True
     rollout = {"engine": args.engine, "n": args.samples, "temperature": args.temperature,
-               "fixed_length": args.fixed_length}
+               "fixed_length": args.fixed_length, "enforce_eager": args.vllm_compile == "off"}
     if args.model == "smollm2":
         g.model("actor", role="actor", source={"package": SMOLLM2}, rollout=rollout,
                 train={"micro_batch_size": 16, "share_prompts": True, "optim": optim, **engine_options})
@@ -381,6 +394,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     run = parser.add_argument_group("run")
     run.add_argument("--engine", choices=["hf", "vllm"], default="hf",
                      help="hybridflow's rollout engine")
+    run.add_argument("--vllm-compile", choices=["on", "off"],
+                     help="--engine vllm: hybridflow's vLLM compiles its model at start-up (on: "
+                          "rollout.enforce_eager false) or runs it eagerly [on for --model tiny, off for "
+                          "smollm2]")
     run.add_argument("--trl-engine", choices=["hf", "vllm"], default="hf",
                      help="TRL's generation: transformers, or vLLM in colocate mode")
     run.add_argument("--iterations", type=int, default=50)
@@ -466,6 +483,7 @@ def summarise(args: argparse.Namespace, runs: list, load_before: tuple, load_aft
         "iterations": args.iterations,
         "seeds": args.seeds,
         "hybridflow_rollout_engine": args.engine,
+        "hybridflow_vllm_compile": args.vllm_compile if args.engine == "vllm" else None,
         "trl_generation_engine": args.trl_engine,
         "warmup": w,
     }
@@ -499,7 +517,8 @@ def print_tables(result: dict) -> None:
     print("| --- | --- | --- | --- | --- |")
     trl_engine = "vLLM colocate" if result["trl_generation_engine"] == "vllm" else "transformers"
     for side, name in (("trl", f"TRL 1.16 GRPOTrainer ({trl_engine} generation)"),
-                       ("hybridflow", f"hybridflow ({result['hybridflow_rollout_engine']} rollout, "
+                       ("hybridflow", f"hybridflow ({result['hybridflow_rollout_engine']} rollout"
+                                      f"{', compiled' if result.get('hybridflow_vllm_compile') == 'on' else ''}, "
                                       f"{result['hybridflow_ranks']} ranks)")):
         print(f"| {name} | {result[f'{side}_iter_s']:.3f} | {result[f'{side}_tokens_per_iter']:.0f} | "
               f"{result[f'{side}_s_per_token'] * 1e3:.2f} ms | {result[f'{side}_reward_last10']:.3f} "

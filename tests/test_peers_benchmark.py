@@ -231,6 +231,23 @@ def test_fixed_length_hybridflow_iteration(engine, tmp_path):
     assert metrics["reward/unfinished_frac"] == 1.0
 
 
+def test_vllm_compile_reaches_the_graph():
+    """The tiny workload's vLLM compiles by default, SmolLM2's runs eagerly; the flag sets either,
+    and the JSON says which ran."""
+    peers = _peers()
+
+    def eager(*flags: str) -> bool:
+        spec = peers.peers_graph(peers.parse_args(["--engine", "vllm", *flags]), 0).spec
+        return spec.models["actor"].rollout.enforce_eager
+
+    assert not eager() and eager("--vllm-compile", "off")
+    assert eager("--model", "smollm2") and not eager("--model", "smollm2", "--vllm-compile", "on")
+    args = peers.parse_args(["--engine", "vllm", "--vllm-compile", "off"])
+    assert peers.summarise(args, [_fake_run()], (0.0,) * 3, (0.0,) * 3)["hybridflow_vllm_compile"] == "off"
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--vllm-compile", "yes"])
+
+
 def test_smollm2_flags_reach_the_graph():
     peers = _peers()
     args = peers.parse_args(["--model", "smollm2", "--seeds", "0", "1", "2", "--trl-engine", "vllm"])
