@@ -59,7 +59,9 @@ class VLLMProbeWorker(Worker):
     """One rank: a torch train engine (DDP over the group's gloo), the transformers engine on
     its module and a vLLM engine started from the same initial weights, all in one process."""
 
-    def __init__(self, rank, world_size, master_addr, master_port, threads, *, dtype="float32", enforce_eager=True):
+    def __init__(
+        self, rank, world_size, master_addr, master_port, threads, *, dtype="float32", enforce_eager=True
+    ):
         super().__init__(rank, world_size, master_addr, master_port, threads)
         import tempfile
 
@@ -342,11 +344,11 @@ def _assert_probe(results: list[dict], world: int, tol: float = 1e-4) -> None:
 def test_weight_sync_matches_train_engine(cpu_probe):
     """Colocated in 2 Ray workers (DDP over gloo): after one update synced in memory, vLLM's greedy
     tokens equal the train engine's greedy decode and log-probs agree within 1e-4."""
-    assert ray.get(cpu_probe.call("compiled")) == [False, False]  # rollout.enforce_eager's default
+    assert ray.get(cpu_probe.call("compiled")) == [False, False]  # the engine's default: eager
     _assert_probe(_run_probe(cpu_probe), world=2)
 
 
-@pytest.mark.slow  # vLLM compiles the model in two Ray workers at start: ~1.5 min on 2 cores
+@pytest.mark.slow  # vLLM compiles the model in two Ray workers at start: ~30 s on 2 cores
 def test_compiled_engine_matches_train_engine(ray_session):
     """rollout.enforce_eager false: vLLM runs the model compiled (torch.compile, inductor on
     CPU), and takes each update in place into the compiled model: greedy tokens equal the train
