@@ -11,6 +11,8 @@ global scale of the gradient, which the ``grad_norm`` and ``loss`` comparisons c
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -75,8 +77,13 @@ def _train_once(
     return metrics, {k: v.clone() for k, v in engine.named_weights()}
 
 
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
 def _worker(rank: int, world_size: int, init_file: str, out_dir: str, vocab: int, tied: bool) -> None:
     torch.set_num_threads(1)
+    threads_before = _threads()
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
@@ -84,9 +91,15 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, vocab: int
         half = len(LENGTHS) // world_size
         local = _batch(vocab)[rank * half : (rank + 1) * half]
         metrics, weights = _train_once(local, micro_batch_size=3, vocab=vocab, tied=tied)
-        torch.save({"metrics": metrics, "weights": weights}, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    # The engine is gone with _train_once's frame, so the group is too: no gloo thread may run
+    # on into the interpreter's shutdown (a rank aborted there now and then when one did).
+    threads_left = _threads() - threads_before
+    torch.save(
+        {"metrics": metrics, "weights": weights, "threads_left": threads_left},
+        f"{out_dir}/rank{rank}.pt",
+    )
 
 
 # 2048 words, tied: the chunked log-prob read-out (train.logits_chunk_tokens) under DDP, its
@@ -110,6 +123,7 @@ def test_dp2_step_equals_dp1_step(tmp_path, vocab, tied):
     moved = max((single[k] - initial[k]).abs().max().item() for k in single)
     assert moved > 1e-4, "the step must move the parameters for the comparison to mean anything"
     for rank in ranks:
+        assert rank["threads_left"] == 0, "the process group's threads outlived destroy_process_group"
         diff = max((rank["weights"][k] - single[k]).abs().max().item() for k in single)
         assert diff < TOLERANCE, f"dp=2 vs dp=1 max abs param diff {diff:.3g}"
         for key in ("loss", "grad_norm", "clip_frac", "lr"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -238,6 +239,17 @@ def test_train_steps_lower_the_loss():
     assert {"loss", "grad_norm", "lr", "mb_tokens"} <= set(metrics)
     assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
     assert metrics["mb_tokens"] > 0 and metrics["skipped_step"] == 0
+
+
+def test_a_dropped_engine_is_freed_at_once():
+    """No reference cycle through the scheduler: under DDP, torch's collector cannot free one, so
+    the process group outlived ``destroy_process_group`` and its gloo threads ran into the
+    interpreter's shutdown, where they aborted a rank now and then."""
+    engine = TorchTrainEngine(_model(seed=2), TrainEngineSpec(micro_batch_size=4))
+    engine.train_step(_rollout_batch()[:4], _nll_loss)
+    ref = weakref.ref(engine)
+    del engine
+    assert ref() is None
 
 
 def test_train_loss_equals_forward_token_mean():

@@ -11,6 +11,7 @@ for all but the last micro-batch); DDP then averages over ranks, so the final gr
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -240,8 +241,9 @@ class TorchTrainEngine(TrainEngine):
             fused=all(p.device.type in ("cpu", "cuda") for p in trained) or None,
         )
         self.total_steps = total_steps or 0
+        # A partial, not a lambda over self: the scheduler must not keep the engine alive.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, optim, self.total_steps)
+            self.optimizer, functools.partial(lr_factor, optim=optim, total_steps=self.total_steps)
         )
 
     @classmethod
