@@ -24,17 +24,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn, world: int, *args, start_method: str = "fork") -> None:
+# What the forkserver imports once, before it forks the ranks: the heavy imports of the ranks.
+FORKSERVER_PRELOAD = ["torch", "transformers", "megatron.core", "hybridflow.hybrid_engine.reshard", __name__]
+
+
+def spawn(fn, world: int, *args, start_method: str = "forkserver") -> None:
     """Run ``fn(rank, world, port, *args)`` on ``world`` processes; raises if any rank fails.
 
-    Forked, not spawned: children inherit the parent's imports (megatron-core and transformers
-    take ~10-20 s to import per process on a loaded 2-core box). The parent has run no collective
-    and the children set one thread each, so the fork is safe. CUDA (nccl) runs use
-    ``start_method="spawn"``: a CUDA context does not survive a fork.
+    From a forkserver, not forked from pytest: by the time these tests run, pytest's own process
+    may hold a Ray driver, whose threads a fork copies in the middle of their work (4-rank runs
+    aborted now and then in full suites, never alone). The forkserver is a fresh interpreter
+    that imports ``FORKSERVER_PRELOAD`` once, so a rank starts in well under a second instead of
+    importing megatron-core and transformers itself (10-20 s each on a loaded 2-core box).
+    CUDA (nccl) runs use ``start_method="spawn"``.
     """
+    start_ranks(fn, world, (free_port(), *args), start_method)
+
+
+def start_ranks(fn, world: int, args: tuple, start_method: str = "forkserver") -> None:
+    """``fn(rank, world, *args)`` on ``world`` processes started by ``start_method``."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, start_method=start_method)
+    if start_method == "forkserver":
+        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # no-op once it runs
+    mp.start_processes(fn, args=(world, *args), nprocs=world, start_method=start_method)
 
 
 def init_dist(rank: int, world: int, port: int, backend: str = "gloo") -> None:

@@ -199,18 +199,12 @@ def _worker(rank: int, world: int, port: int, cases: list, out_dir: str, backend
 
 
 def _run(world: int, cases: list, tmp_path, backend: str = "gloo") -> dict[int, list[dict]]:
-    """Start ``world`` gloo ranks from a forkserver that has torch and this module imported
-    (spawning 8 fresh interpreters costs minutes on a shared 2-core box; forking the pytest
-    process itself would inherit its threads)."""
-    import multiprocessing
+    """Start ``world`` gloo ranks from the harness's forkserver (spawning 8 fresh interpreters
+    costs minutes on a shared 2-core box; forking the pytest process itself would inherit its
+    threads)."""
+    from megatron_harness import start_ranks
 
-    import torch.multiprocessing as mp
-
-    multiprocessing.set_forkserver_preload(["torch", "hybridflow.hybrid_engine.reshard", __name__])
-    mp.start_processes(
-        _worker, args=(world, _free_port(), cases, str(tmp_path), backend), nprocs=world,
-        start_method="forkserver",
-    )
+    start_ranks(_worker, world, (_free_port(), cases, str(tmp_path), backend))
     return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)}
 
 

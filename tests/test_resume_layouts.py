@@ -155,7 +155,7 @@ def checkpoints_across_layouts(tmp_path: Path, backend: str = "gloo") -> None:
     """Train and save under each layout in turn, each loading the previous one's checkpoint."""
     from megatron_harness import spawn
 
-    start_method = "fork" if backend == "gloo" else "spawn"
+    start_method = "forkserver" if backend == "gloo" else "spawn"
     layouts = [(2, 1), (1, 1), (2, 1), (1, 2)]  # tp=2 -> tp=1 (dp=2) -> tp=2 -> pp=2
     previous = None
     for i, (tp, pp) in enumerate(layouts):
