@@ -50,7 +50,7 @@ class SandboxUnavailable(RuntimeError):
 class SandboxConfig(BaseModel):
     """Limits of one sandboxed call."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     cpu_seconds: int = Field(2, ge=1, description="CPU time (RLIMIT_CPU), seconds.")
     wall_timeout_s: float = Field(5.0, gt=0, description="Wall time before the call is killed.")

@@ -18,7 +18,9 @@ _KL_BOUND = "k3 only: each token's KL estimate is clamped to [-kl_bound, kl_boun
 
 
 class Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No setting of a graph file means anything at inf or nan (a temperature of inf samples
+    # uniformly and trains nothing), so no float field takes them.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # -- models -----------------------------------------------------------------------------------
@@ -794,7 +796,7 @@ class AsyncSpec(Spec):
 class TrainerSpec(Spec):
     """Length of the run, seeds, validation, logging and what is saved."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True, allow_inf_nan=False)
 
     iterations: int = Field(60, ge=1, description="Iterations (rollout + update) to run.")
     seed: int = Field(0, description="Seed of model init and sampling.")
