@@ -5,6 +5,7 @@ anything; every failure is a one-line ``SpecError`` naming the file and the fiel
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from importlib.util import find_spec
 from pathlib import Path
@@ -96,7 +97,7 @@ def check_model_paths(graph: Graph) -> None:
             continue
         field = _source_field(name, model.source)
         path = resolved_model_dir(graph, name)
-        if not path.is_dir():
+        if not os.path.isdir(path):  # False, not OSError, for a name too long
             raise SpecError(graph.file, field, f"model directory {str(path)!r} not found")
         config = path / "config.json"
         if not config.is_file():

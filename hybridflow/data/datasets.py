@@ -130,7 +130,7 @@ def load_prompt_rows(
     path = source if os.path.isabs(source) else os.path.join(base_dir, source)
     if not os.path.isfile(path):
         raise DataError(
-            f"{path}: no such prompt file (data.source {source!r}, "
+            f"{shorten(path)}: no such prompt file (data.source {shorten(repr(source))}, "
             f'expected "builtin:NAME" or a JSONL file)'
         )
     rows = read_rows(path, "data.source")
@@ -147,7 +147,7 @@ def _builtin_rows(source: str, num: int, seed: int) -> list[dict]:
         return [_row(r, f"{source} prompt {i}", "data.source") for i, r in enumerate(raw)]
     if name not in TASKS:
         raise DataError(
-            f"data.source {source!r}: unknown built-in task {name!r}, "
+            f"data.source {shorten(repr(source))}: unknown built-in task {shorten(repr(name))}, "
             f"expected one of {sorted([*TASKS, *makers])}"
         )
     task = TASKS[name]
@@ -163,7 +163,7 @@ def _builtin_rows(source: str, num: int, seed: int) -> list[dict]:
 def read_rows(path: str, field: str = "data.train_files") -> list[dict]:
     """The rows of one parquet or JSONL file, read with HF ``datasets`` and checked row by row."""
     if not os.path.isfile(path):
-        raise DataError(f"{path}: no such data file ({field})", field)
+        raise DataError(f"{shorten(path)}: no such data file ({field})", field)
     if path.endswith(".parquet"):
         raw = _read_with_datasets(path, "parquet", field)
         wheres = [f"{path}:row {i}" for i in range(len(raw))]
