@@ -130,6 +130,27 @@ def test_bad_parquet_row_names_the_row(tmp_path):
         read_rows(str(tmp_path / "rows.csv"))
 
 
+def test_unreadable_parquet_says_what_is_wrong(tmp_path):
+    """No rows, a column given twice and a directory each get their own line, not the
+    DatasetGenerationError (or "no such data file") they gave before."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
+    twice = tmp_path / "twice.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["ab="]), pa.array(["ab"]), pa.array(["x"])],
+                                        names=["prompt", "ground_truth", "prompt"]), twice)
+    folder = tmp_path / "folder.parquet"
+    folder.mkdir()
+    for path, expected in [(empty, "expected at least one row, found none"),
+                           (twice, "duplicated column 'prompt'; expected each column once"),
+                           (folder, "is a directory, expected a .parquet, .jsonl or .json file (data.train_files)")]:
+        with pytest.raises(DataError) as excinfo:
+            read_rows(str(path), "data.train_files")
+        assert str(excinfo.value) == f"{path}: {expected}"
+
+
 def test_chat_rendering_equals_apply_chat_template():
     tok = chat_tokenizer()
     messages = [{"role": "user", "content": "What is 2 + 3?"}]

@@ -125,5 +125,17 @@ def test_repeated_worker_loss_stops_after_max_restarts(ray_session, tmp_path):
             ray.kill(trainer.groups["default"].workers[0])
 
     trainer.callbacks.append(kill_now)
-    with pytest.raises(RunStopped, match="max_restarts=0"):
+    with pytest.raises(RunStopped, match=r"^a worker died \(.*\); trainer.max_restarts=0, so the run does not recover$"):
         trainer.fit()
+
+
+def test_the_stop_message_says_died_again_only_after_a_recovery(tmp_path):
+    from hybridflow.controller.recovery import Recovery, RunStopped
+
+    with pytest.raises(RunStopped) as first:
+        Recovery(tmp_path / "events.jsonl", max_restarts=0).begin(RuntimeError("actor gone"), None)
+    assert str(first.value) == "a worker died (actor gone); trainer.max_restarts=0, so the run does not recover"
+    recovery = Recovery(tmp_path / "events.jsonl", max_restarts=1)
+    recovery.begin(RuntimeError("actor gone"), None)
+    with pytest.raises(RunStopped, match=r"^a worker died again \(actor gone\); trainer.max_restarts=1 recoveries used up$"):
+        recovery.begin(RuntimeError("actor gone"), None)

@@ -162,9 +162,12 @@ def _builtin_rows(source: str, num: int, seed: int) -> list[dict]:
 
 def read_rows(path: str, field: str = "data.train_files") -> list[dict]:
     """The rows of one parquet or JSONL file, read with HF ``datasets`` and checked row by row."""
+    if os.path.isdir(path):
+        raise DataError(f"{shorten(path)}: is a directory, expected a .parquet, .jsonl or .json file ({field})", field)
     if not os.path.isfile(path):
         raise DataError(f"{shorten(path)}: no such data file ({field})", field)
     if path.endswith(".parquet"):
+        _check_parquet_columns(path, field)
         raw = _read_with_datasets(path, "parquet", field)
         wheres = [f"{path}:row {i}" for i in range(len(raw))]
     elif path.endswith((".jsonl", ".json")):
@@ -180,6 +183,23 @@ def _quiet(datasets) -> None:
     # Progress bars and its own log lines for a file it cannot read: our DataError says it.
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+
+
+def _check_parquet_columns(path: str, field: str) -> None:
+    """What ``datasets`` would only call a DatasetGenerationError: no rows, or a column name
+    given twice (pyarrow writes such files; a table cannot hold them)."""
+    import pyarrow.parquet as pq
+
+    try:
+        metadata = pq.read_metadata(path)
+    except Exception:  # not parquet at all: _read_with_datasets says so
+        return
+    names = metadata.schema.to_arrow_schema().names
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise DataError(f"{shorten(path)}: duplicated column {shorten(repr(twice[0]))}; expected each column once", field)
+    if metadata.num_rows == 0:
+        raise DataError(f"{shorten(path)}: expected at least one row, found none", field)
 
 
 def _read_with_datasets(path: str, kind: str, field: str) -> list[dict]:
