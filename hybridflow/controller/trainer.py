@@ -382,7 +382,8 @@ class Trainer:
         val = [m["val/reward/mean"] for m in self.history if "val/reward/mean" in m]
         return {
             "run_dir": str(self.run_dir),
-            "iterations": len(self.history),
+            # the last iteration's number: a row lost to a cut metrics line is not a lost iteration
+            "iterations": self.history[-1].get("iteration", len(self.history)) if self.history else 0,
             "reward_first10": sum(rewards[:window]) / max(window, 1),
             "reward_last10": sum(rewards[-window:]) / max(window, 1),
             "val_reward_final": val[-1] if val else None,
