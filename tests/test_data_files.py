@@ -247,3 +247,21 @@ def test_arith_words_answers_follow_the_text():
     for row in make_problems(200, seed=0):
         info = row["extra_info"]
         assert str(info["answer"]) == row["reward_model"]["ground_truth"]
+
+
+def test_a_row_without_ground_truth_passes_only_where_no_scorer_needs_one():
+    """The refusal itself is a case of tests/bad_inputs/cases.yaml; `ground_truth: optional`
+    on the score node, or a learned reward model, lets the same rows through."""
+    from pathlib import Path
+
+    from hybridflow.controller.preflight import check_score_inputs
+    from hybridflow.graph.dag import load_graph
+
+    root = Path(__file__).resolve().parent.parent
+    rows = read_rows(str(root / "tests/bad_inputs/rows_no_ground_truth.jsonl"))
+    assert [row["ground_truth"] for row in rows] == ["ab", ""]
+    base = str(root / "tests/bad_inputs/base.yaml")
+    with pytest.raises(DataError, match=r"rows_no_ground_truth.jsonl:2: reward_model.ground_truth: missing"):
+        check_score_inputs(load_graph(base), rows)
+    check_score_inputs(load_graph(base, ["nodes.reward.options.ground_truth=optional"]), rows)
+    check_score_inputs(load_graph(base, ["models.reward.source={config: {hidden_size: 32}}"]), rows)

@@ -168,3 +168,17 @@ def _check_tokenizer_fits(file: str, field: str, path: Path, tokenizer) -> None:
                 f"its tokenizer ({len(own)} tokens) differs from the actor's ({len(tokenizer)} "
                 "tokens); expected the same tokenizer",
             )
+
+
+def check_score_inputs(graph: Graph, rows: list[dict]) -> None:
+    """A rule, compute_score or remote scorer compares responses with the rows' ground truth:
+    a row without one would score 0 silently, so it stops the run (``DataError``) unless the
+    score node says ``ground_truth: optional``."""
+    from hybridflow.data.datasets import check_ground_truth
+
+    for i, node in enumerate(graph.spec.nodes):
+        if node.op != "score" or node.options.ground_truth == "optional":
+            continue
+        if graph.spec.models[node.model].source.is_scorer:
+            check_ground_truth(rows, f"expected one for score node {node.name!r} (model {node.model!r}); "
+                               f"nodes.{node.name}.options.ground_truth: optional is for a scorer that needs none")

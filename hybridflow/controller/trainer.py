@@ -47,7 +47,9 @@ from hybridflow.controller.checkpoint import Checkpointer
 from hybridflow.controller.executor import IterationResult, chrome_trace, run_nodes
 from hybridflow.controller.loggers import RunLoggers
 from hybridflow.controller.ahead import AheadGeneration
-from hybridflow.controller.preflight import check_engines_installed, check_inputs, check_model_paths, run_tokenizer
+from hybridflow.controller.preflight import (
+    check_engines_installed, check_inputs, check_model_paths, check_score_inputs, run_tokenizer,
+)
 from hybridflow.controller.recovery import NanGuard, Recovery, RunStopped
 from hybridflow.controller.run_dir import RunDir
 from hybridflow.data.datasets import DataError, PromptDataset, collate_prompts, load_data
@@ -219,6 +221,7 @@ class Trainer:
         check_inputs(self.graph, tokenizer)
         try:
             train_rows, val_rows = load_data(spec.data, self.graph.file)
+            check_score_inputs(self.graph, train_rows + val_rows)
             self.dataset = PromptDataset(
                 train_rows,
                 tokenizer,

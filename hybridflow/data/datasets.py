@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 BUILTIN_PREFIX = "builtin:"
 ORIGIN = "origin"  # row field: where the row came from, for error messages
 FIELD = "field"  # row field: the graph-file field that named its file (data.train_files, ...)
+NO_TRUTH = "no_ground_truth"  # row field: the schema field a row lacking a ground truth lacks
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -285,6 +286,7 @@ def _row(obj: dict, where: str, field: str) -> dict:
         truth, truth_field = reward_model.get("ground_truth"), "reward_model.ground_truth"
     else:
         truth, truth_field = obj.get("ground_truth"), "ground_truth"
+    missing = truth_field if truth is None else None
     if truth is None:
         truth = ""
     elif isinstance(truth, Real) and not isinstance(truth, bool):
@@ -306,7 +308,16 @@ def _row(obj: dict, where: str, field: str) -> dict:
         "extra_info": extra_json,
         ORIGIN: where,
         FIELD: field,
+        NO_TRUTH: missing,
     }
+
+
+def check_ground_truth(rows: Sequence[dict], why: str) -> None:
+    """``DataError`` naming the first row (file, row, field) that has no ground truth, for a
+    scorer that needs one (``why``: which, and how to say it needs none)."""
+    for row in rows:
+        if row.get(NO_TRUTH):
+            raise DataError(f"{row[ORIGIN]}: {row[NO_TRUTH]}: missing; {why}", row[FIELD])
 
 
 # -- batches ----------------------------------------------------------------------------------

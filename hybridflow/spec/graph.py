@@ -480,6 +480,13 @@ class ScoreOptions(Spec):
         "and counts it (reward/num_errors)."
     )
     default_reward: float = Field(0.0, description="Score of a sample whose scoring failed.")
+    ground_truth: Literal["required", "optional"] = Field(
+        "required",
+        description="A rule, compute_score or remote scorer: 'required' stops the run before it "
+        "starts at the first data row without a ground truth (file, row and field named), since "
+        "such a scorer would score every sample 0 and train nothing; 'optional' is for a scorer "
+        "that needs none (its rows then carry ''). A learned reward model never needs one.",
+    )
     timeout_s: float | None = Field(
         DEFAULT_SCORE_TIMEOUT_S, gt=0, description="Time limit of one rule/compute_score call (per "
         "sample), in seconds: past it the call's process is killed and replaced, and the sample is "
