@@ -492,6 +492,16 @@ class ScoreOptions(Spec):
         "sample), in seconds: past it the call's process is killed and replaced, and the sample is "
         "an error (on_error). null = no limit (a hanging rule then hangs the run).",
     )
+    batch_timeout_s: float | None = Field(
+        300.0, gt=0, description="Time limit of all of a batch's rule/compute_score calls together, "
+        "in seconds: past it the run stops (one line), whatever on_error says. null = no limit. "
+        "Needs num_workers >= 1.",
+    )
+    max_timeout_frac: float = Field(
+        0.25, ge=0, le=1, description="on_error: default: the run stops (one line) once more than "
+        "this share of a batch's calls ran past timeout_s, rather than train on their "
+        "default_reward (on_error: fail stops at the first). Needs num_workers >= 1.",
+    )
     num_workers: int = Field(
         1,
         ge=0,
