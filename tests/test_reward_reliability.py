@@ -111,6 +111,34 @@ def test_a_batch_stuck_on_every_call_stops_early(options, message, bound_s):
         pool.close()
 
 
+def test_a_stuck_scoring_process_dies_with_the_process_that_owns_its_pool(tmp_path):
+    """kill -9 of the process holding a ScorePool whose call is stuck in C: the scoring
+    process must not live on reparented to init, burning a core (PR_SET_PDEATHSIG)."""
+    import os
+    import signal
+    import uuid
+
+    from test_run_cleanup import assert_all_gone, kill_tagged
+
+    mark = tmp_path / "call.mark"
+    tag = f"HYBRIDFLOW_TEST_TAG={uuid.uuid4().hex}"
+    owner = (f"from hybridflow.rewards.pool import ScorePool\n"
+             f"ScorePool(1, preload=['{STUCK}:stuck_after_a_mark']).call('{STUCK}:stuck_after_a_mark', "
+             f"[('p', 'x', {str(mark)!r})], 600.0)")
+    env = {**os.environ, "HYBRIDFLOW_TEST_TAG": tag.partition("=")[2], "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen([sys.executable, "-c", owner], cwd=ROOT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not mark.exists():
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        assert_all_gone(tag, within_s=10)
+    finally:
+        kill_tagged(tag)
+
+
 def test_1e308_is_an_error_not_an_inf_reward():
     items = [("p", "r", ""), ("p", "r", "")]
     with pytest.raises(RewardError, match=r"sample 0: ValueError: returned 1e\+308, not finite in float32"):

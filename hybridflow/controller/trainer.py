@@ -50,6 +50,7 @@ from hybridflow.controller.ahead import AheadGeneration
 from hybridflow.controller.preflight import (
     check_engines_installed, check_inputs, check_model_paths, check_score_inputs, run_tokenizer,
 )
+from hybridflow.controller.reaper import mark_run
 from hybridflow.controller.recovery import NanGuard, Recovery, RunStopped
 from hybridflow.controller.run_dir import RunDir
 from hybridflow.data.datasets import DataError, PromptDataset, collate_prompts, load_data
@@ -255,6 +256,8 @@ class Trainer:
         tqdm.write(batch_plan(spec, self.graph.layouts, self.graph.file).describe())
         for name, why in self.graph.redundant_nodes().items():
             tqdm.write(f"note: node {name!r} is redundant: {why}")
+        if not self.address and not ray.is_initialized():
+            mark_run()  # the local Ray about to start is this run's: it ends with the run
         start_ray(self.address, self.graph.pools.values())
         for pool_name in self.graph.used_pools():
             pool = ResourcePool(pool_name, self.graph.pools[pool_name])

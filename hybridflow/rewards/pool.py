@@ -33,6 +33,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -107,6 +108,19 @@ def _preload(paths: Sequence[str]) -> None:
     # (``sum(range(10**13))``): pebble would wait 3 s more before SIGKILL. The default action
     # ends the process at once; a scorer holds nothing that needs a clean exit.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Die with the forkserver we were forked from, and let it die with the process that owns
+    # this pool: a call stuck in C would otherwise keep a core busy, reparented to init, for
+    # good. The forkserver exits when the write end of its "alive" pipe is closed everywhere,
+    # and multiprocessing hands that end to each child too, so the child lets go of it here.
+    if sys.platform == "linux":
+        import ctypes
+        from multiprocessing import forkserver
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+        if alive is not None:
+            os.close(alive)
+            forkserver._forkserver._forkserver_alive_fd = None
     for path in paths:
         try:
             _function(path)
