@@ -284,7 +284,9 @@ class Checkpointer:
         graph = self.graph
         trained = dict.fromkeys(n.model for n in graph.nodes if n.op == "update")
         return {
-            "pools": {name: graph.pools[name].num_devices for name in dict.fromkeys(graph.placement.values())},
+            # every pool that runs something: a standalone rollout's ranks keep their sampling
+            # RNG streams across a resume only when its pool is known to have kept its size
+            "pools": {name: graph.pools[name].num_devices for name in graph.used_pools()},
             "layouts": {m: layout.model_dump(include={"tp", "pp", "dp"}) for m, layout in graph.layouts.items()},
             "engines": {m: graph.spec.models[m].train.engine for m in trained},
         }
