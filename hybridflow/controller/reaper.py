@@ -50,9 +50,11 @@ _reaper: subprocess.Popen | None = None
 
 def mark_run() -> None:
     """Start this run's reaper and mark the environment every later child inherits. Call it
-    once, before starting a local Ray; a no-op where /proc is missing (not Linux)."""
+    before starting a local Ray; once per process (a no-op after), and where /proc is missing
+    (not Linux). A mark inherited from a parent's run is replaced: this run's processes are
+    this run's reaper's to end."""
     global _reaper
-    if _reaper is not None or MARK in os.environ or not os.path.isdir("/proc"):
+    if _reaper is not None or not os.path.isdir("/proc"):
         return
     run_id = f"{MARK}={uuid.uuid4().hex}"
     # The reaper itself does not carry the mark (its environment is copied before it is set),
