@@ -76,9 +76,10 @@ TIMEOUT_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None
 
 class _Watchdog:
     """In a pool process: ends the process ``seconds`` after ``arm`` unless ``disarm`` comes
-    first. A POSIX timer costs one system call per arm (a thread per arm, as faulthandler's
-    watchdog, cost ~0.1 ms a call: a fifth of a second on a 2,048-sample batch); faulthandler
-    is the fallback where there is none, writing "Timeout" to ``timeout_file`` as it ends us."""
+    first. A POSIX timer costs one system call per arm, where faulthandler's watchdog starts a
+    thread per arm (about ten times the cost of a cheap rule's call); faulthandler is the
+    fallback where there are no POSIX timers, writing "Timeout" to ``timeout_file`` as it ends
+    us."""
 
     _timer = None  # (libc, timer id), made once per process
 
