@@ -17,7 +17,8 @@ from hybridflow.engines.lora import BaseModelEngine, base_named_weights
 from hybridflow.engines.models import build_causal_lm
 from hybridflow.engines.torch_engine import TorchTrainEngine
 from hybridflow.graph.dag import load_graph
-from hybridflow.spec.graph import LoraSpec, ModelSource, TrainEngineSpec
+from hybridflow.spec.engines import TorchTrainSpec
+from hybridflow.spec.graph import LoraSpec, ModelSource
 from hybridflow.spec.loading import SpecError
 from test_model_sources import _prompts, save_family
 
@@ -49,7 +50,7 @@ def _reinforce(mb, fwd):
 
 def _lora_engine(directory, lr=0.05):
     model, tokenizer = _model(directory)
-    engine = TorchTrainEngine(model, TrainEngineSpec(micro_batch_size=4, optim={"lr": lr}, lora=LORA))
+    engine = TorchTrainEngine(model, TorchTrainSpec(micro_batch_size=4, optim={"lr": lr}, lora=LORA))
     return engine, model, tokenizer
 
 
@@ -80,7 +81,7 @@ def test_reference_is_the_base_model_with_adapters_disabled(llama_dir):
     for _ in range(2):
         engine.train_step(batch, _reinforce)
     base, _ = _model(llama_dir)
-    want = TorchTrainEngine(base, TrainEngineSpec(micro_batch_size=4)).forward(batch)["log_probs"]
+    want = TorchTrainEngine(base, TorchTrainSpec(micro_batch_size=4)).forward(batch)["log_probs"]
     ref = BaseModelEngine(engine).forward(batch)["log_probs"]
     assert torch.equal(ref, want)  # the disabled adapters take no part in the sum
     actor = engine.forward(batch)["log_probs"]
@@ -116,7 +117,7 @@ def test_vllm_after_an_adapter_sync_equals_the_merged_model(llama_dir, lora_sync
     second sync (new weights under a new adapter id) is taken too. Adapters go through a
     shared-memory directory (first sync), then are built in memory (second); under
     ``lora_sync: merged`` a vLLM without LoRA takes the weights merged in the train process."""
-    from hybridflow.engines.vllm_rollout import VLLMRolloutEngine
+    from hybridflow.engines.vllm import VLLMRolloutEngine
 
     engine, model, tokenizer = _lora_engine(llama_dir)
     prompts = _prompts(tokenizer)

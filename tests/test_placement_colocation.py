@@ -32,9 +32,9 @@ def _engine(device: str):
     import torch
 
     from hybridflow.engines.torch_engine import TorchTrainEngine
-    from hybridflow.spec.graph import TrainEngineSpec
+    from hybridflow.spec.engines import TorchTrainSpec
 
-    engine = TorchTrainEngine(torch.nn.Linear(64, 64).to(device), TrainEngineSpec(remove_padding=False))
+    engine = TorchTrainEngine(torch.nn.Linear(64, 64).to(device), TorchTrainSpec(remove_padding=False))
     engine.module(torch.ones(2, 64, device=device)).sum().backward()
     engine.optimizer.step()
     return engine

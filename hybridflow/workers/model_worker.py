@@ -122,7 +122,7 @@ class ModelWorker(Worker):
             rollout = model_spec.rollout
             if rollout is not None and name not in graph.rollout_pools:
                 # vLLM starts with LoRA only when it will take adapters, not merged weights
-                adapter = None if rollout.lora_sync == "merged" else engine.adapter_config()
+                adapter = None if rollout.merges_lora else engine.adapter_config()
                 self.rollout_engines[name] = self._build_rollout(name, module, adapter)
                 self.weight_syncs[name] = weight_sync(engine, rollout)  # collective when resharded
         for name in rollouts:  # a standalone rollout (rollout.pool): its weights come by publish_weights
@@ -222,7 +222,7 @@ class ModelWorker(Worker):
         versions = [self.rollout_versions[node.model]]  # at the start, then one per load in flight
         updates = self._weight_updates(node.model, versions)
         engine = self.rollout_engines[node.model]
-        out = engine.generate(batch, params) if updates is None else engine.generate(batch, params, updates)
+        out = engine.generate(batch, params, updates)
         out[K.WEIGHT_VERSION] = torch.full((out.batch_size[0],), versions[0], dtype=torch.int64)
         loads = out.pop(K.WEIGHT_LOADS) if K.WEIGHT_LOADS in out.keys() else torch.zeros_like(out[K.WEIGHT_VERSION])
         out[K.WEIGHT_VERSION_LAST] = torch.tensor(versions, dtype=torch.int64)[loads]
@@ -692,4 +692,4 @@ def _generation_tp(train: ParallelLayout, tp: int, rank: int, seed: int) -> dict
 
     gen = GenerationLayout(train=train, tp=tp)
     group = next(g for g in generation_tp_groups(gen) if rank in g)
-    return {"seed": seed * 1000 + gen_replica(gen, rank), "tensor_parallel_size": tp, "tp_ranks": group}
+    return {"seed": seed * 1000 + gen_replica(gen, rank), "tp_ranks": group}
