@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from hybridflow.data.tasks import get_task
-from hybridflow.placement.pools import ResourcePool
+from hybridflow.workers.pools import ResourcePool
 from hybridflow.spec.layout import ParallelLayout
 from hybridflow.spec.pool import PoolSpec
 from hybridflow.workers.group import WorkerGroup

@@ -288,7 +288,7 @@ def _plain_log_probs(module, batch: TensorDict) -> torch.Tensor:
 @contextlib.contextmanager
 def _probe_group(device: str, dtype: str = "float32", enforce_eager: bool = True):
     """The probe's ranks (2 on CPU, DDP over gloo; 1 on GPU), shut down afterwards."""
-    from hybridflow.placement.pools import ResourcePool
+    from hybridflow.workers.pools import ResourcePool
     from hybridflow.workers.group import WorkerGroup
 
     spec = PoolSpec(devices_per_node=1 if device == "gpu" else 2, device=device, cpus_per_device=1)

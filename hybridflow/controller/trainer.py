@@ -54,7 +54,7 @@ from hybridflow.data.datasets import DataError, PromptDataset, collate_prompts, 
 from hybridflow.graph.batching import batch_plan
 from hybridflow.graph.dag import SOURCE, Graph
 from hybridflow.hybrid_engine.consistency import RolloutMismatchError
-from hybridflow.placement.pools import ResourcePool, start_ray
+from hybridflow.workers.pools import ResourcePool, start_ray
 from hybridflow.rewards.rule import RewardError
 from hybridflow.spec.engines import caps_of
 from hybridflow.spec.loading import SpecError

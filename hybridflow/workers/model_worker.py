@@ -137,7 +137,7 @@ class ModelWorker(Worker):
                 self.train_engines[name] = BaseModelEngine(self.train_engines[actor])
         # Different ranks must sample differently; the same rank the same way every run.
         torch.manual_seed(seed * 1000 + rank)
-        self.colocation = Colocation(self.train_engines)  # run_op activates the node's model
+        self.colocation = Colocation(self.train_engines, self.rollout_engines)  # run_op activates the node's model
         # Checkpointed with the engines: anything with state_dict()/load_state_dict() that other
         # ops keep across iterations (a KL controller, a Lagrange multiplier) registers here.
         self.extra_state: dict[str, Any] = algo_steps.build_controllers(graph_spec, models)
@@ -189,9 +189,11 @@ class ModelWorker(Worker):
         resolved = self.graph.node(node)
         if options is not None:
             resolved = replace(resolved, spec=resolved.spec.model_copy(update={"options": options}))
-        self.colocation.activate(resolved.model)  # the idle models' state goes to CPU memory
-        body = getattr(self, self.graph.op(resolved).method_for(resolved.role))
-        return body(batch, resolved)
+        op = self.graph.op(resolved)
+        # the idle models' state goes to CPU memory, rollout engines too unless the op generates
+        moves = self.colocation.activate(resolved.model, generates=op.generates)
+        out, meta = getattr(self, op.method_for(resolved.role))(batch, resolved)
+        return out, {**meta, **moves}
 
     def _dp_group(self, model: str):
         """The ranks that split ``model``'s batches between them (a rule model's: all)."""
