@@ -123,30 +123,6 @@ class _Tok:
     eos_token_id, pad_token_id = 1, 0
 
 
-class _Rollout:
-    def __init__(self):
-        self.moves = []
-
-    def offload(self):
-        self.moves.append("off")
-
-    def reload(self):
-        self.moves.append("on")
-
-
-def test_colocation_offloads_rollout_engines_around_ops_that_do_not_generate():
-    from hybridflow.workers.colocation import Colocation
-
-    rollout = _Rollout()
-    colocation = Colocation({}, {"actor": rollout})
-    ops = [("actor", True), ("actor", False), ("ref", False), ("actor", True), ("actor", True), ("reward", False)]
-    moves = [colocation.activate(model, generates) for model, generates in ops]
-    assert rollout.moves == ["off", "on", "off"]
-    assert [m["rollout_offloads"] for m in moves] == [0, 1, 0, 0, 0, 1]
-    assert [m["rollout_reloads"] for m in moves] == [0, 0, 0, 1, 0, 0]
-    assert colocation.stats()["rollout_offloads"] == 2 and colocation.stats()["rollout_reloads"] == 1
-
-
 def test_placement_plans_without_ray():
     code = (
         "import sys, hybridflow.placement.automapper, hybridflow.placement.simulator, "
