@@ -239,8 +239,9 @@ class VLLMRolloutEngine(RolloutEngine):
     # -- generate -----------------------------------------------------------------------------
 
     def _vllm_params(self, params: SamplingParams, **extra):
-        # No per-request seed: vLLM's CPU sampler then draws row by row from one generator per
-        # request (measured about twice as slow); the seeded process RNG makes runs repeatable.
+        # No per-request seed: vLLM's CPU sampler would then draw row by row from one generator
+        # per request, a slower path (benchmarks/RESULTS.md); the seeded process RNG makes runs
+        # repeatable.
         common = dict(
             n=params.n,
             max_tokens=params.max_new_tokens,
@@ -485,14 +486,14 @@ class VLLMRolloutEngine(RolloutEngine):
 
         One call takes the whole set of weights (an iterator may fetch them bucket by bucket):
         vLLM's layer-wise reload rebuilds a packed layer (q/k/v, gate/up) from what one call
-        gives, so a layer given in part is left NaN, and stays so through later loads (measured,
+        gives, so a layer given in part is left NaN, and stays so through later loads (seen on
         vLLM 0.32). A call that misses weights raises a ValueError naming them. Re-ties and
         re-packs a tied ``lm_head`` and resets the prefix cache afterwards.
 
         On CPU at tg = 1 without LoRA it loads in place instead (``load_in_place``: each packed
         layer re-packed by vLLM's own dispatch, the rest copied), the same weights in half the
-        time of the reload's bookkeeping (4.5 ms against 10.5 ms on a 2-layer, hidden-256
-        model); a model whose layers it cannot map falls back to the reload for good.
+        time of the reload's bookkeeping (benchmarks/RESULTS.md); a model whose layers it
+        cannot map falls back to the reload for good.
         """
         start = time.perf_counter()
         self.reload()  # weights must be resident to be overwritten
