@@ -235,16 +235,16 @@ def test_two_iterations_of_the_smollm2_lora_graph_then_eval(tmp_path, monkeypatc
 
 def test_weight_sync_picks_the_lora_path(llama_dir):
     """Adapters by default; merged weights for vLLM under lora_sync: merged; the transformers
-    rollout always shares the module (no merged weights copied into its LoRA layers)."""
+    rollout (which has no lora_sync) shares the module (no merged weights copied into its LoRA
+    layers)."""
     from hybridflow.hybrid_engine.sync import sync_adapters, sync_merged, weight_sync
-    from hybridflow.spec.graph import RolloutSpec
+    from hybridflow.spec.engines import HFRolloutSpec, VLLMRolloutSpec
 
     engine, model, tokenizer = _lora_engine(llama_dir)
-    chosen = {
-        (name, how): weight_sync(engine, RolloutSpec(engine=name, lora_sync=how)).func
-        for name in ("hf", "vllm") for how in ("adapter", "merged")
-    }
-    assert chosen == {("hf", "adapter"): sync_adapters, ("hf", "merged"): sync_adapters,
-                      ("vllm", "adapter"): sync_adapters, ("vllm", "merged"): sync_merged}
+    chosen = {how: weight_sync(engine, VLLMRolloutSpec(engine="vllm", lora_sync=how)).func for how in ("adapter", "merged")}
+    assert chosen == {"adapter": sync_adapters, "merged": sync_merged}
+    assert weight_sync(engine, HFRolloutSpec()).func is sync_adapters  # lora_sync is vLLM's option
+    with pytest.raises(ValueError, match="lora_sync is for rollout.engine 'vllm'"):
+        HFRolloutSpec(lora_sync="merged")
     hf = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
-    assert weight_sync(engine, RolloutSpec(engine="hf", lora_sync="merged"))(hf)["weight_sync/bytes"] == 0.0
+    assert weight_sync(engine, HFRolloutSpec())(hf)["weight_sync/bytes"] == 0.0

@@ -15,7 +15,7 @@ import networkx as nx
 from hybridflow.algos.advantages import zero_without_groups
 from hybridflow.graph.batching import batch_plan
 from hybridflow.graph.ops import OPS, SOURCE_WRITES, Op
-from hybridflow.spec.engines import caps_of
+from hybridflow.spec.engines import caps_of, engines_with
 from hybridflow.spec.graph import AdvantageOptions, GraphSpec, ModelSpec, NodeBase
 from hybridflow.spec.layout import ParallelLayout
 from hybridflow.spec.loading import SpecError, load_graph_spec, load_pools, resolve_relative
@@ -454,7 +454,8 @@ def _resolve_rollout_pools(
         for name in found:
             engine = spec.models[name].rollout.engine
             if not caps_of(spec.models[name].rollout).partial_rollouts:
-                raise SpecError(file, field_, f"{partial} needs a models.{name}.rollout.engine that takes weights between decoding steps, such as vllm (got {engine})")
+                able = " or ".join(engines_with("rollout", "partial_rollouts")) or "that takes weights between decoding steps"
+                raise SpecError(file, field_, f"{partial} needs models.{name}.rollout.engine {able} (an engine that takes weights between decoding steps; got {engine})")
     return found
 
 
@@ -471,7 +472,8 @@ def _check_generation_layout(rollout, train: ParallelLayout, file: str, field: s
     if gen.pp > 1:
         raise SpecError(file, f"{field}.layout.pp", f"generation pp {gen.pp} is not available: the rollout engines generate at pp = 1")
     if not caps_of(rollout).generation_tp:
-        raise SpecError(file, f"{field}.layout.tp", f"generation tp {gen.tp} needs a rollout.engine with generation TP, such as vllm (got {rollout.engine})")
+        able = " or ".join(engines_with("rollout", "generation_tp")) or "with generation TP"
+        raise SpecError(file, f"{field}.layout.tp", f"generation tp {gen.tp} needs rollout.engine {able} (got {rollout.engine})")
     if gen.tp != train.tp:
         raise SpecError(
             file,

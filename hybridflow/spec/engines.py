@@ -103,6 +103,11 @@ def engine_names(kind: Kind) -> list[str]:
     return sorted(_RECORDS[kind])
 
 
+def engines_with(kind: Kind, capability: str) -> list[str]:
+    """The registered engines of ``kind`` whose ``capability`` is set (for error messages)."""
+    return [name for name in engine_names(kind) if getattr(_RECORDS[kind][name].caps, capability)]
+
+
 def caps_of(spec: Any) -> EngineCaps:
     """The capabilities of the engine a ``train`` or ``rollout`` section names."""
     kind: Kind = "train" if isinstance(spec, TrainEngineSpec) else "rollout"

@@ -837,6 +837,19 @@ UpdateOptions.model_rebuild()
 _ENGINE_BASES: dict[str, type[Spec]] = {"train": TrainEngineSpec, "rollout": RolloutSpec}
 
 
+class _TagInSchema:
+    """JSON-schema side of the engine union: a member matches only its own ``engine`` value
+    (the default engine's also a section without one), as the validator's discriminator does."""
+
+    def __init__(self, name: str, is_default: bool) -> None:
+        self.name, self.is_default = name, is_default
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict:
+        named = {"required": ["engine"], "properties": {"engine": {"const": self.name}}}
+        tag = {"anyOf": [named, {"not": {"required": ["engine"]}}]} if self.is_default else named
+        return {"allOf": [handler(core_schema), tag]}
+
+
 def _engine_tag(kind: str):
     default = _ENGINE_BASES[kind].model_fields["engine"].default
 
@@ -854,14 +867,14 @@ def set_engine_configs(kind: str, configs: dict[str, type[Spec]]) -> None:
     _ENGINE_CONFIGS[kind].update(configs)
     if not configs:
         return
+    default = _ENGINE_BASES[kind].model_fields["engine"].default
     union = Annotated[
-        Union[tuple(Annotated[config, Tag(name)] for name, config in configs.items())],
+        Union[tuple(Annotated[config, Tag(name), _TagInSchema(name, name == default)] for name, config in configs.items())],
         Discriminator(_engine_tag(kind)),
     ]
     field = ModelSpec.model_fields[kind]
     if kind == "train":
-        default = configs.get(_ENGINE_BASES[kind].model_fields["engine"].default, _ENGINE_BASES[kind])
-        field.annotation, field.default_factory = union, default
+        field.annotation, field.default_factory = union, configs.get(default, _ENGINE_BASES[kind])
     else:
         field.annotation = Union[union, None]
     ModelSpec.model_rebuild(force=True)
