@@ -105,6 +105,30 @@ def test_a_registered_engine_is_named_by_a_graph_and_refused_once_gone():
         load_graph(GRPO, ["models.actor.rollout.engine=noop"])
 
 
+def test_preflight_asks_the_record():
+    """Preflight reads the capabilities: a missing optional package, CUDA on a CPU pool."""
+    from hybridflow.controller.preflight import check_engines_installed
+    from hybridflow.spec.graph import TrainEngineSpec
+
+    class CudaSpec(TrainEngineSpec):
+        pass
+
+    class PackagedSpec(TrainEngineSpec):
+        pass
+
+    register_engine(EngineRecord("cuda_only", "train", "no.such:Engine", CudaSpec, EngineCaps(needs_cuda=True)))
+    register_engine(EngineRecord("packaged", "train", "no.such:Engine", PackagedSpec,
+                                 EngineCaps(package="no_such_package_x", install="pip install x")))
+    try:
+        with pytest.raises(SpecError, match=r"models\.actor\.train\.engine: 'cuda_only' runs on CUDA devices only; pool 'default' is a cpu pool"):
+            check_engines_installed(load_graph(GRPO, ["models.actor.train.engine=cuda_only"]))
+        with pytest.raises(SpecError, match=r"models\.actor\.train\.engine: 'packaged' needs no_such_package_x, which is not installed: pip install x"):
+            check_engines_installed(load_graph(GRPO, ["models.actor.train.engine=packaged"]))
+    finally:
+        unregister_engine("train", "cuda_only")
+        unregister_engine("train", "packaged")
+
+
 def test_rollout_contract_refuses_what_an_engine_cannot_do():
     import torch
 

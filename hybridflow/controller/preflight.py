@@ -27,7 +27,8 @@ def _installed(module: str) -> bool:
 
 
 def check_engines_installed(graph: Graph) -> None:
-    """An engine whose optional package (its record's ``caps.package``) is missing, or a
+    """An engine whose optional package (its record's ``caps.package``) is missing or that
+    needs CUDA on a CPU pool, or a
     ``train.compile`` without the C++ compiler inductor builds its CPU kernels with, stops the
     run here, in one line, instead of as an error inside a worker."""
     for name, model in graph.spec.models.items():
@@ -42,6 +43,9 @@ def check_engines_installed(graph: Graph) -> None:
             wanted.append((f"models.{name}.rollout.engine", model.rollout))
         for field, section in wanted:
             caps = caps_of(section)
+            pool = graph.rollout_pools.get(name, graph.placement[name]) if field.endswith("rollout.engine") else graph.placement[name]
+            if caps.needs_cuda and graph.pools[pool].device != "gpu":
+                raise SpecError(graph.file, field, f"{section.engine!r} runs on CUDA devices only; pool {pool!r} is a {graph.pools[pool].device} pool")
             if caps.package is not None and not _installed(caps.package):
                 raise SpecError(
                     graph.file, field,
