@@ -184,10 +184,14 @@ def test_plugin_rollout_engine_runs_a_graph(ray_session, tmp_path):
         sys.path.insert(0, str(ROOT))
     engine_plugin = importlib.import_module("tests.engine_plugin")  # the workers' name for it
 
-    overrides = [f"models.actor.rollout.engine={engine_plugin.NAME}", "models.actor.rollout.label=mine",
-                 "trainer.iterations=2", "trainer.val_interval=0", "data.num_val=0", "trainer.progress=false",
+    text = GRPO.read_text()
+    assert "rollout: {engine: hf," in text
+    graph_file = tmp_path / "grpo_counting.yaml"  # the default graph, its rollout the plugin's
+    graph_file.write_text(text.replace("rollout: {engine: hf,", f"rollout: {{engine: {engine_plugin.NAME}, label: mine,")
+                          .replace("resource_pools/", f"{ROOT}/resource_pools/"))
+    overrides = ["trainer.iterations=2", "trainer.val_interval=0", "data.num_val=0", "trainer.progress=false",
                  "trainer.save_final=false", "data.prompts_per_iteration=4", "models.actor.rollout.n=4"]
-    graph = load_graph(GRPO, overrides)
+    graph = load_graph(graph_file, overrides)
     assert graph.spec.models["actor"].rollout.label == "mine"
     seen = []
     trainer = Trainer(graph, run_dir=str(tmp_path / "run"))
