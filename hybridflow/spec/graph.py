@@ -306,6 +306,14 @@ class RolloutSpec(Spec):
         return False
 
 
+class OtherEngineOption(ValueError):
+    """An option of another engine's config; ``key`` is the option (its field path's last part)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 # kind -> engine name -> its config model; filled by hybridflow.spec.engines.register_engine.
 _ENGINE_CONFIGS: dict[str, dict[str, type[Spec]]] = {"train": {}, "rollout": {}}
 
@@ -320,7 +328,8 @@ def _refuse_other_engines_options(cls: type[Spec], kind: str, data: Any) -> Any:
         owners = [name for name, config in _ENGINE_CONFIGS[kind].items() if key in config.model_fields]
         if owners:
             engines = " or ".join(repr(name) for name in owners)
-            raise ValueError(f"{key} is for {kind}.engine {engines} (engine is {data.get('engine', cls.model_fields['engine'].default)!r})")
+            engine = data.get("engine", cls.model_fields["engine"].default)
+            raise OtherEngineOption(key, f"{key} is for {kind}.engine {engines} (engine is {engine!r})")
     return data
 
 

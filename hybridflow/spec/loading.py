@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from hybridflow.spec.engines import engine_names
-from hybridflow.spec.graph import GraphSpec, node_types
+from hybridflow.spec.graph import GraphSpec, OtherEngineOption, node_types
 from hybridflow.spec.pool import PoolsFile
 
 M = TypeVar("M", bound=BaseModel)
@@ -127,6 +127,8 @@ def validate_model(model: type[M], raw: dict, file: str | Path) -> M:
         err = exc.errors()[0]
         more = len(exc.errors()) - 1
         field = _field_path(err["loc"])
+        if isinstance(err.get("ctx", {}).get("error"), OtherEngineOption):
+            field += f".{err['ctx']['error'].key}"
         if err["type"] == "extra_forbidden":
             message = "unknown field"
         elif err["type"] == "missing":
