@@ -99,6 +99,9 @@ def test_a_registered_engine_is_named_by_a_graph_and_refused_once_gone():
     try:
         spec = load_graph(GRPO, ["models.actor.rollout.engine=noop", "models.actor.rollout.speed=3"]).spec
         assert spec.models["actor"].rollout.speed == 3
+        # its capabilities decide, not its name: without caps.lora a LoRA actor cannot use it
+        with pytest.raises(SpecError, match=r"models\.actor\.rollout\.engine: 'noop' takes no LoRA adapters \(train\.lora\); use rollout\.engine hf or vllm"):
+            load_graph(GRPO, ["models.actor.rollout.engine=noop", "models.actor.train.lora.rank=4"])
     finally:
         unregister_engine("rollout", "noop")
     with pytest.raises(SpecError, match="unknown rollout engine 'noop'"):

@@ -494,6 +494,10 @@ def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node
     for name, model in spec.models.items():
         if model.train.adapters is not None and model.role != "actor":
             raise SpecError(file, f"models.{name}.train.lora", f"LoRA is for the actor (role is {model.role})")
+        if model.train.adapters is not None and model.rollout is not None and not caps_of(model.rollout).lora:
+            able = " or ".join(engines_with("rollout", "lora"))
+            raise SpecError(file, f"models.{name}.rollout.engine",
+                            f"{model.rollout.engine!r} takes no LoRA adapters (train.lora); use rollout.engine {able}")
     nodes = _resolve_nodes(spec, file)
     _check_rollout_correction(nodes, file)
     if spec.trainer.async_.mode != "sync" and any(OPS[n.op].refills for n in nodes):
