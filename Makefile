@@ -43,10 +43,11 @@ bench-peers-smollm2:  ## the same on SmolLM2-135M-Instruct, 3 seeds x 12 iterati
 docs:  ## regenerate docs/graph-file.md, docs/pool-file.md and docs/schema/ from the spec models
 	$(BIN)/hybridflow docs
 
-# Wheels (Python 3.12, x86-64) for tests/gpu/megatron_cuda_check.py on a GPU box without network
-# or megatron-core; the script installs what it misses from tests/gpu/wheels (git-ignored).
+# Wheels (Python 3.12, x86-64) for tests/gpu/device_check.sh on a GPU box without network or
+# megatron-core; it installs them from tests/gpu/wheels (git-ignored) into tests/gpu/.vendor.
 GPU_WHEELS := megatron-core==0.16.1 tensordict==0.15.3 pyvers==0.2.3 cloudpickle==3.1.3 pydantic==2.14.3 \
-	pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 networkx
+	pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 networkx pyyaml==6.0.3 \
+	pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
 gpu-wheels:
 	$(BIN)/pip download --no-deps --only-binary=:all: --python-version 3.12 \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

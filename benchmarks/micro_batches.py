@@ -44,7 +44,8 @@ def engine_side(args: argparse.Namespace) -> None:
     from hybridflow.data import keys as K
     from hybridflow.engines.torch_engine import TorchTrainEngine
     from hybridflow.hybrid_engine.consistency import ConsistencyStats
-    from hybridflow.spec.graph import TINY_QWEN2, TrainEngineSpec, UpdateOptions
+    from hybridflow.spec.engines import TorchTrainSpec
+    from hybridflow.spec.graph import TINY_QWEN2, UpdateOptions
     from hybridflow.workers.model_worker import ModelWorker
 
     torch.set_num_threads(1)
@@ -68,7 +69,7 @@ def engine_side(args: argparse.Namespace) -> None:
         model = Qwen2ForCausalLM(Qwen2Config(**(TINY_QWEN2 | shape), vocab_size=vocab, attn_implementation="sdpa"))
         name = setting.removesuffix("c")
         cut = {"micro_batch_tokens": int(name[1:])} if name.startswith("t") else {"micro_batch_size": int(name)}
-        engines[setting] = TorchTrainEngine(model, TrainEngineSpec(
+        engines[setting] = TorchTrainEngine(model, TorchTrainSpec(
             **cut, compile=setting.endswith("c"), optim={"lr": 1e-3, "grad_clip": 1.0}))
 
     def step(engine: TorchTrainEngine) -> None:

@@ -162,12 +162,13 @@ def test_exported_actor_reloads_with_logits_equal_to_the_train_engine(tmp_path):
     from hybridflow.data.tasks import get_task
     from hybridflow.engines.models import build_causal_lm
     from hybridflow.engines.torch_engine import TorchTrainEngine
-    from hybridflow.spec.graph import ModelSource, TrainEngineSpec
+    from hybridflow.spec.engines import TorchTrainSpec
+    from hybridflow.spec.graph import ModelSource
 
     tokenizer = get_task("copy").tokenizer()
     module = build_causal_lm(ModelSource(config={"hidden_size": 64}), len(tokenizer),
                              tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0)
-    engine = TorchTrainEngine(module, TrainEngineSpec())
+    engine = TorchTrainEngine(module, TorchTrainSpec())
     gen = torch.Generator().manual_seed(0)
     num, prompt_len, resp_len = 4, 5, 6
     ids = torch.randint(3, len(tokenizer), (num, prompt_len + resp_len), generator=gen)

@@ -128,7 +128,7 @@ def test_a_new_op_defined_in_one_module_runs_in_a_graph_on_ray(ray_session, tmp_
     from hybridflow.controller.executor import run_nodes
     from hybridflow.data.datasets import collate_prompts
     from hybridflow.data.tasks import get_task
-    from hybridflow.placement.pools import ResourcePool
+    from hybridflow.workers.pools import ResourcePool
     from hybridflow.workers.group import WorkerGroup
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import tests/

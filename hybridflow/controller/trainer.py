@@ -54,8 +54,9 @@ from hybridflow.data.datasets import DataError, PromptDataset, collate_prompts, 
 from hybridflow.graph.batching import batch_plan
 from hybridflow.graph.dag import SOURCE, Graph
 from hybridflow.hybrid_engine.consistency import RolloutMismatchError
-from hybridflow.placement.pools import ResourcePool, start_ray
+from hybridflow.workers.pools import ResourcePool, start_ray
 from hybridflow.rewards.rule import RewardError
+from hybridflow.spec.engines import caps_of
 from hybridflow.spec.loading import SpecError
 from hybridflow.workers.accounting import controller_get
 from hybridflow.workers.group import WorkerGroup
@@ -286,8 +287,8 @@ class Trainer:
     def _slow_start(self, pool_name: str) -> bool:
         models = self.spec.models
         return any(
-            (models[m].rollout is not None and models[m].rollout.engine == "vllm")
-            or models[m].train.engine == "megatron"
+            (models[m].rollout is not None and caps_of(models[m].rollout).slow_start)
+            or caps_of(models[m].train).slow_start
             for m in self.graph.models_on(pool_name) + self.graph.rollouts_on(pool_name)
         )
 
@@ -393,7 +394,7 @@ class Trainer:
     # -- helpers ----------------------------------------------------------------------------
 
     def _put(self, batch) -> ShardedRef:
-        return ShardedRef(refs=[ray.put(batch)], sizes=[batch.batch_size[0]])
+        return ShardedRef.put(batch)
 
     def _total_optimizer_steps(self) -> int:
         updates = [n for n in self.graph.nodes if n.op == "update"]

@@ -133,7 +133,7 @@ def batch_plan(spec: GraphSpec, layouts: dict[str, ParallelLayout], file: str) -
         per_rank_step = prompts * n // dp // mini_batches
         train = spec.models[node.model].train
         micro = train.micro_batch_size
-        if train.micro_batch_tokens is not None and getattr(node.options, "loss_agg", None) == "bnpo":
+        if train.token_budget is not None and getattr(node.options, "loss_agg", None) == "bnpo":
             raise SpecError(
                 file, f"models.{node.model}.train.micro_batch_tokens",
                 f"node {node.name!r} aggregates its loss with 'bnpo', a mean per micro-batch, which "
@@ -151,7 +151,7 @@ def batch_plan(spec: GraphSpec, layouts: dict[str, ParallelLayout], file: str) -
                 samples_per_step=per_rank_step * dp,
                 samples_per_rank_step=per_rank_step,
                 micro_batches_per_step=math.ceil(per_rank_step / micro),
-                micro_batch_tokens=train.micro_batch_tokens,
+                micro_batch_tokens=train.token_budget,
             )
         )
     return BatchPlan(prompts, n, tuple(updates))

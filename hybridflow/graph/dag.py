@@ -15,6 +15,7 @@ import networkx as nx
 from hybridflow.algos.advantages import zero_without_groups
 from hybridflow.graph.batching import batch_plan
 from hybridflow.graph.ops import OPS, SOURCE_WRITES, Op
+from hybridflow.spec.engines import caps_of, engines_with
 from hybridflow.spec.graph import AdvantageOptions, GraphSpec, ModelSpec, NodeBase
 from hybridflow.spec.layout import ParallelLayout
 from hybridflow.spec.loading import SpecError, load_graph_spec, load_pools, resolve_relative
@@ -155,7 +156,7 @@ class Graph:
         actor_spec = self.spec.models[actor]
         if (
             spec.role == "ref"
-            and actor_spec.train.lora is not None
+            and actor_spec.train.adapters is not None
             and spec.source == actor_spec.source
             and self.placement[model] == self.placement[actor]
         ):
@@ -426,11 +427,12 @@ def _resolve_rollout_pools(
                 f"pool {rollout.pool!r} is the one {name!r} trains on; leave rollout.pool out to "
                 "generate there (the hybrid engine), or name another pool",
             )
-        if model.train.engine != "torch" or model.train.lora is not None:
+        if not caps_of(model.train).full_weights or model.train.adapters is not None:
             raise SpecError(
                 file, field_,
-                "a standalone rollout takes the full weights of a torch train engine; megatron and "
-                "LoRA actors generate on their own pool (leave rollout.pool out)",
+                "a standalone rollout takes the full weights of a train engine that holds them on "
+                f"every rank (such as the torch train engine); {model.train.engine!r} actors that "
+                "shard them and LoRA actors generate on their own pool (leave rollout.pool out)",
             )
         if rollout.layout.tp * rollout.layout.pp != 1:
             raise SpecError(file, field_, "a standalone rollout generates at tp = pp = 1 on every rank of its pool")
@@ -450,8 +452,10 @@ def _resolve_rollout_pools(
         if not found:
             raise SpecError(file, field_, f"{partial} needs the actor's rollout on a pool of its own (models.<actor>.rollout.pool): on the training pool generation and update never overlap")
         for name in found:
-            if spec.models[name].rollout.engine != "vllm":
-                raise SpecError(file, field_, f"{partial} needs models.{name}.rollout.engine vllm (it steps vLLM's engine to take weights between decoding steps)")
+            engine = spec.models[name].rollout.engine
+            if not caps_of(spec.models[name].rollout).partial_rollouts:
+                able = " or ".join(engines_with("rollout", "partial_rollouts")) or "that takes weights between decoding steps"
+                raise SpecError(file, field_, f"{partial} needs models.{name}.rollout.engine {able} (an engine that takes weights between decoding steps; got {engine})")
     return found
 
 
@@ -467,8 +471,9 @@ def _check_generation_layout(rollout, train: ParallelLayout, file: str, field: s
         return
     if gen.pp > 1:
         raise SpecError(file, f"{field}.layout.pp", f"generation pp {gen.pp} is not available: the rollout engines generate at pp = 1")
-    if rollout.engine != "vllm":
-        raise SpecError(file, f"{field}.layout.tp", f"generation tp {gen.tp} needs rollout.engine vllm (got {rollout.engine})")
+    if not caps_of(rollout).generation_tp:
+        able = " or ".join(engines_with("rollout", "generation_tp")) or "with generation TP"
+        raise SpecError(file, f"{field}.layout.tp", f"generation tp {gen.tp} needs rollout.engine {able} (got {rollout.engine})")
     if gen.tp != train.tp:
         raise SpecError(
             file,
@@ -487,8 +492,12 @@ def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node
     if len(actors) > 1:
         raise SpecError(file, "models", f"one actor per graph, found {actors}")
     for name, model in spec.models.items():
-        if model.train.lora is not None and model.role != "actor":
+        if model.train.adapters is not None and model.role != "actor":
             raise SpecError(file, f"models.{name}.train.lora", f"LoRA is for the actor (role is {model.role})")
+        if model.train.adapters is not None and model.rollout is not None and not caps_of(model.rollout).lora:
+            able = " or ".join(engines_with("rollout", "lora"))
+            raise SpecError(file, f"models.{name}.rollout.engine",
+                            f"{model.rollout.engine!r} takes no LoRA adapters (train.lora); use rollout.engine {able}")
     nodes = _resolve_nodes(spec, file)
     _check_rollout_correction(nodes, file)
     if spec.trainer.async_.mode != "sync" and any(OPS[n.op].refills for n in nodes):

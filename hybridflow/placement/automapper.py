@@ -27,6 +27,7 @@ from hybridflow.graph.batching import smallest_even_batch
 from hybridflow.graph.dag import SOURCE, derive_dag
 from hybridflow.graph.library import ALGORITHMS
 from hybridflow.placement.profiles import HardwareProfile, ModelArch, arch_from_hf_config, get_profile, model_size
+from hybridflow.spec.engines import caps_of
 from hybridflow.spec.graph import TINY_QWEN2
 from hybridflow.spec.layout import GenerationLayout
 from hybridflow.placement.simulator import (
@@ -355,8 +356,8 @@ def plan_graph(graph, model_size_name: str | None = None) -> PlanGraph:
             arch=_arch_of(name, graph, model_size_name),
             trainable=name in updated,
             micro_batch=None if model_size_name else m.train.micro_batch_size,
-            any_layout=model_size_name is not None or m.train.engine == "megatron",
-            flexible_generation=m.rollout is not None and (m.rollout.engine == "vllm" or model_size_name is not None),
+            any_layout=model_size_name is not None or caps_of(m.train).model_parallel,
+            flexible_generation=m.rollout is not None and (caps_of(m.rollout).generation_tp or model_size_name is not None),
         )
     actor = spec.models[graph.actor]
     updates = [n for n in graph.nodes if n.op == "update"]

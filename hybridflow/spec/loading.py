@@ -9,7 +9,8 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from hybridflow.spec.graph import GraphSpec, node_types
+from hybridflow.spec.engines import engine_names
+from hybridflow.spec.graph import GraphSpec, OtherEngineOption, node_types
 from hybridflow.spec.pool import PoolsFile
 
 M = TypeVar("M", bound=BaseModel)
@@ -100,14 +101,22 @@ def apply_overrides(raw: dict, overrides: list[str], file: str | Path) -> dict:
 
 def _field_path(loc: tuple) -> str:
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in node_types():
+        elif part in node_types() or _engine_tag(loc, i):
             continue  # discriminated-union tag, not a field the user wrote
         else:
             out += f".{part}" if out else str(part)
     return out
+
+
+ENGINE_KINDS = ("train", "rollout")  # the model fields that are unions over registered engines
+
+
+def _engine_tag(loc: tuple, i: int) -> bool:
+    """``loc[i]`` is the engine tag pydantic puts after ``models.<m>.train`` / ``.rollout``."""
+    return i >= 3 and loc[i - 3] == "models" and loc[i - 1] in ENGINE_KINDS and loc[i] in engine_names(loc[i - 1])
 
 
 def validate_model(model: type[M], raw: dict, file: str | Path) -> M:
@@ -118,6 +127,8 @@ def validate_model(model: type[M], raw: dict, file: str | Path) -> M:
         err = exc.errors()[0]
         more = len(exc.errors()) - 1
         field = _field_path(err["loc"])
+        if isinstance(err.get("ctx", {}).get("error"), OtherEngineOption):
+            field += f".{err['ctx']['error'].key}"
         if err["type"] == "extra_forbidden":
             message = "unknown field"
         elif err["type"] == "missing":
@@ -126,7 +137,10 @@ def validate_model(model: type[M], raw: dict, file: str | Path) -> M:
             message = err["msg"].removeprefix("Value error, ")
             if "input" in err and not isinstance(err["input"], (dict, list)):
                 message += f" (got {err['input']!r})"
-        if err["type"] == "union_tag_invalid":
+        if err["type"] == "union_tag_invalid" and err["loc"][-1] in ENGINE_KINDS:
+            field += ".engine"
+            message = f"unknown {err['loc'][-1]} engine {err['ctx']['tag']!r}; known: {', '.join(engine_names(err['loc'][-1]))}"
+        elif err["type"] == "union_tag_invalid":
             message = f"unknown op {err['ctx']['tag']!r}; expected one of {err['ctx']['expected_tags']}"
         if more:
             message += f" (+{more} more error{'s' if more > 1 else ''})"

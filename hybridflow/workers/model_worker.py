@@ -122,7 +122,7 @@ class ModelWorker(Worker):
             rollout = model_spec.rollout
             if rollout is not None and name not in graph.rollout_pools:
                 # vLLM starts with LoRA only when it will take adapters, not merged weights
-                adapter = None if rollout.lora_sync == "merged" else engine.adapter_config()
+                adapter = None if rollout.merges_lora else engine.adapter_config()
                 self.rollout_engines[name] = self._build_rollout(name, module, adapter)
                 self.weight_syncs[name] = weight_sync(engine, rollout)  # collective when resharded
         for name in rollouts:  # a standalone rollout (rollout.pool): its weights come by publish_weights
@@ -137,7 +137,7 @@ class ModelWorker(Worker):
                 self.train_engines[name] = BaseModelEngine(self.train_engines[actor])
         # Different ranks must sample differently; the same rank the same way every run.
         torch.manual_seed(seed * 1000 + rank)
-        self.colocation = Colocation(self.train_engines)  # run_op activates the node's model
+        self.colocation = Colocation(self.train_engines, self.rollout_engines)  # run_op activates the node's model
         # Checkpointed with the engines: anything with state_dict()/load_state_dict() that other
         # ops keep across iterations (a KL controller, a Lagrange multiplier) registers here.
         self.extra_state: dict[str, Any] = algo_steps.build_controllers(graph_spec, models)
@@ -189,9 +189,11 @@ class ModelWorker(Worker):
         resolved = self.graph.node(node)
         if options is not None:
             resolved = replace(resolved, spec=resolved.spec.model_copy(update={"options": options}))
-        self.colocation.activate(resolved.model)  # the idle models' state goes to CPU memory
-        body = getattr(self, self.graph.op(resolved).method_for(resolved.role))
-        return body(batch, resolved)
+        op = self.graph.op(resolved)
+        # the idle models' state goes to CPU memory, rollout engines too unless the op generates
+        moves = self.colocation.activate(resolved.model, generates=op.generates)
+        out, meta = getattr(self, op.method_for(resolved.role))(batch, resolved)
+        return out, {**meta, **moves}
 
     def _dp_group(self, model: str):
         """The ranks that split ``model``'s batches between them (a rule model's: all)."""
@@ -222,7 +224,7 @@ class ModelWorker(Worker):
         versions = [self.rollout_versions[node.model]]  # at the start, then one per load in flight
         updates = self._weight_updates(node.model, versions)
         engine = self.rollout_engines[node.model]
-        out = engine.generate(batch, params) if updates is None else engine.generate(batch, params, updates)
+        out = engine.generate(batch, params, updates)
         out[K.WEIGHT_VERSION] = torch.full((out.batch_size[0],), versions[0], dtype=torch.int64)
         loads = out.pop(K.WEIGHT_LOADS) if K.WEIGHT_LOADS in out.keys() else torch.zeros_like(out[K.WEIGHT_VERSION])
         out[K.WEIGHT_VERSION_LAST] = torch.tensor(versions, dtype=torch.int64)[loads]
@@ -692,4 +694,4 @@ def _generation_tp(train: ParallelLayout, tp: int, rank: int, seed: int) -> dict
 
     gen = GenerationLayout(train=train, tp=tp)
     group = next(g for g in generation_tp_groups(gen) if rank in g)
-    return {"seed": seed * 1000 + gen_replica(gen, rank), "tensor_parallel_size": tp, "tp_ranks": group}
+    return {"seed": seed * 1000 + gen_replica(gen, rank), "tp_ranks": group}
