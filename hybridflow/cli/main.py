@@ -1,7 +1,7 @@
 """``hybridflow``: run, validate and draw graph files.
 
     hybridflow run graphs/grpo.yaml [key.path=value ...] [--pools FILE] [--address ADDR]
-                                    [--run-dir DIR] [--resume]
+                                    [--run-dir DIR] [--resume] [--verbose]
     hybridflow serve-reward MODULE:FUNCTION [--host H] [--port P] [--max-request-bytes N]
                             [--ray-serve [--replicas N] [--replica-cpus C] [--address ADDR]]
     hybridflow validate graphs/*.yaml [key.path=value ...] [--pools FILE]
@@ -36,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--pools", help="resource-pool file (default: the graph's `resources`)")
     run.add_argument("--address", help="join this Ray cluster instead of starting a local one")
     run.add_argument("--run-dir", help="write the run here (default: trainer.save_dir)")
+    run.add_argument(
+        "--verbose", action="store_true",
+        help="show the workers' own output (library warnings, engine logs) on the console; "
+        "without it that goes to RUN_DIR/workers.log",
+    )
     run.add_argument(
         "--resume", action="store_true",
         help="continue the run in --run-dir (default: the newest under trainer.save_dir) from its "
@@ -171,7 +176,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     graph = load_graph(args.graph, args.overrides, pools_file=args.pools, planner=auto_placement)
     from hybridflow.controller.trainer import Trainer
 
-    trainer = Trainer(graph, address=args.address, run_dir=args.run_dir, resume=args.resume)
+    trainer = Trainer(graph, address=args.address, run_dir=args.run_dir, resume=args.resume, verbose=args.verbose)
     print(format_summary(trainer.fit()))
     return 0
 
