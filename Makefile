@@ -40,7 +40,7 @@ bench-peers:  ## hybridflow (vLLM rollout) vs TRL, 3 seeds (~7 min idle); --engi
 bench-peers-smollm2:  ## the same on SmolLM2-135M-Instruct, 3 seeds x 12 iterations (~25 min idle)
 	.venv-peers/bin/python benchmarks/peers.py --model smollm2 --engine vllm --seeds 0 1 2 --iterations 12 --warmup 2
 
-docs:  ## regenerate docs/graph-file.md, docs/pool-file.md and docs/schema/ from the spec models
+docs:  ## regenerate docs/graph-file.md, docs/pool-file.md, docs/cli.md and docs/schema/ from the spec models and parsers
 	$(BIN)/hybridflow docs
 
 # Wheels (Python 3.12, x86-64) for tests/gpu/megatron_cuda_check.py on a GPU box without network
