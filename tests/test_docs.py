@@ -58,6 +58,9 @@ EXEMPT = {
     r"--run-dir runs/ckpt\b": (
         "tests/test_resume_layouts.py runs save, resume and the dp 2 -> 1 resume through the CLI"
     ),
+    r"--run-dir runs/n4 --resume$": (
+        "tests/test_resume_layouts.py runs save, resume and the dp 2 -> 1 resume through the CLI"
+    ),
     r"^hybridflow run graphs/grpo\.yaml models\.actor\.rollout\.engine=vllm$": (
         "tests/test_vllm.py runs grpo.yaml with exactly this override"
     ),

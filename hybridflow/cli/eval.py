@@ -298,7 +298,10 @@ def _generator(engine: str, source, tokenizer, spec, temperature: float, trained
 
         num = prompts.batch_size[0]
         parts = []
-        with tqdm(total=num, desc="greedy" if params.greedy else f"{params.n} samples", unit="prompt") as bar:
+        # As `hybridflow run`'s: a bar only on a terminal, never redrawn into a pipe or a log file.
+        shown = sys.stdout.isatty() and sys.stderr.isatty()
+        desc = "greedy" if params.greedy else f"{params.n} samples"
+        with tqdm(total=num, desc=desc, unit="prompt", disable=not shown) as bar:
             for i in range(0, num, chunk):
                 parts.append(rollout.generate(prompts[i : i + chunk], params))
                 bar.update(min(chunk, num - i))
