@@ -125,6 +125,7 @@ def _mlflow_history(run_dir) -> tuple[str, dict[str, list[tuple[int, float]]]]:
 def test_mlflow_holds_every_metric_and_a_resume_continues_the_run(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")  # no network
     (tmp_path / "graph.yaml").write_text("name: g\n")
     trainer = TrainerSpec(loggers=["mlflow"], iterations=5, tracking={"project": "proj", "tags": ["smoke"]})
     loggers = RunLoggers(trainer, tmp_path, "g.yaml", name="g")

@@ -24,7 +24,8 @@ SMALL = [
 
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))}
-    env.update(RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", WANDB_SILENT="true")
+    # No network: MLflow's usage telemetry off (wandb is offline without an API key).
+    env.update(RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", WANDB_SILENT="true", MLFLOW_DISABLE_TELEMETRY="true")
     # The reward module must be importable on the workers: on PYTHONPATH before Ray starts.
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
     cmd = [sys.executable, "-m", "hybridflow.cli.main", "run", str(ROOT / "graphs" / "grpo.yaml"), *SMALL, *args]

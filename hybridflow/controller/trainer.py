@@ -10,7 +10,7 @@ One iteration (``fit`` -> ``_iterate`` -> ``step``), for any graph; grpo.yaml's 
                            metrics <----/
     validate()             every trainer.val_interval: greedy generate + score, held-out prompts
     nan_guard.observe()    counts updates skipped for a non-finite loss or gradient
-    logger.log()           metrics.jsonl, samples.jsonl, console / TensorBoard
+    logger.log()           metrics.jsonl, samples.jsonl, console / TensorBoard / wandb / MLflow
     callbacks, NaN guard   nan_tolerance skipped updates in a row: RunStopped
     checkpointer.save()    every trainer.save_interval: checkpoints/iter_N, atomic, layout-free
 
