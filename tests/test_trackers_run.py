@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 WARNING = "noisy-reward-says-hello"
 SMALL = [
-    "data.prompts_per_iteration=4", "models.actor.rollout.n=4", "data.num_val=4", "trainer.val_interval=2",
+    # One rank, no validation: the smallest run that still runs every node on a worker.
+    "data.prompts_per_iteration=4", "models.actor.rollout.n=4", "trainer.val_interval=0",
     "trainer.log_interval=1", "trainer.save_interval=2", "trainer.loggers=[console,mlflow,wandb]",
     "models.reward.source.rule=noisy_reward:reward",
 ]
@@ -28,7 +29,10 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env.update(RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", WANDB_SILENT="true", MLFLOW_DISABLE_TELEMETRY="true")
     # The reward module must be importable on the workers: on PYTHONPATH before Ray starts.
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
-    cmd = [sys.executable, "-m", "hybridflow.cli.main", "run", str(ROOT / "graphs" / "grpo.yaml"), *SMALL, *args]
+    cmd = [
+        sys.executable, "-m", "hybridflow.cli.main", "run", str(ROOT / "graphs" / "grpo.yaml"), *SMALL,
+        "--pools", str(ROOT / "resource_pools" / "one_cpu.yaml"), *args,
+    ]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -77,3 +81,24 @@ def test_trackers_and_quiet_console_across_a_resume(tmp_path):
     assert sorted(logged) == [1, 2, 3]
     for row in rows:
         assert logged[row["iteration"]] == pytest.approx({k: v for k, v in row.items() if k != "iteration"})
+
+
+def test_worker_output_redirect_catches_python_and_c_level_writes(tmp_path):
+    from hybridflow.workers.output import LOG_ENV
+
+    script = (
+        "import os, sys, warnings\n"
+        "from hybridflow.workers.output import redirect_to_log\n"
+        "redirect_to_log()\n"
+        "print('to stdout'); warnings.warn('a library warning'); os.write(2, b'from C\\n')\n"
+    )
+    log = tmp_path / "workers.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{LOG_ENV: str(log)})
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "" and done.stderr == "", (done.stdout, done.stderr)
+    text = log.read_text()
+    assert "to stdout" in text and "a library warning" in text and "from C" in text
+    # A node without the run directory keeps its output where it was.
+    env[LOG_ENV] = str(tmp_path / "no" / "such" / "dir" / "workers.log")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert "to stdout" in done.stdout and "from C" in done.stderr

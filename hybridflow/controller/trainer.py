@@ -259,8 +259,9 @@ class Trainer:
         tqdm.write(batch_plan(spec, self.graph.layouts, self.graph.file).describe())
         for name, why in self.graph.redundant_nodes().items():
             tqdm.write(f"note: node {name!r} is redundant: {why}")
-        worker_log = None if self.verbose else self.dirs.path / "workers.log"
-        start_ray(self.address, self.graph.pools.values(), worker_log=worker_log)
+        worker_log = start_ray(
+            self.address, self.graph.pools.values(), worker_log=None if self.verbose else self.dirs.path / "workers.log"
+        )
         if worker_log is not None:
             tqdm.write(f"workers' output (library warnings, engine logs): {worker_log}; --verbose shows it here")
         for pool_name in self.graph.used_pools():

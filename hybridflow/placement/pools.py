@@ -32,12 +32,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hybridflow.spec.pool import PoolSpec
 
 
-def start_ray(address: str | None, pools: Iterable[PoolSpec], worker_log: Path | None = None) -> None:
+def start_ray(address: str | None, pools: Iterable[PoolSpec], worker_log: Path | None = None) -> Path | None:
     """Join the Ray cluster at ``address``, or start a local one with CPUs for ``pools``; a no-op
     when Ray is already up (tests, a notebook). With ``worker_log`` the workers' stdout and
-    stderr go to that file instead of the console (``hybridflow.workers.output``)."""
+    stderr go to that file instead of the console (``hybridflow.workers.output``); returns it, or
+    None where Ray was already up and its workers' output stays where that Ray put it."""
     if ray.is_initialized():
-        return
+        return None
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     quiet = {}
     if worker_log is not None:
@@ -46,7 +47,7 @@ def start_ray(address: str | None, pools: Iterable[PoolSpec], worker_log: Path |
         quiet = {"worker_process_setup_hook": SETUP_HOOK, "env_vars": {LOG_ENV: str(Path(worker_log).resolve())}}
     if address:
         ray.init(address=address, log_to_driver=True, runtime_env=quiet or None)
-        return
+        return worker_log
     # Ray starts workers at niceness 15; here the workers do all the heavy work while the
     # controller sleeps, and at 15 any other busy process on the box starves them (measured:
     # 1.55 s vs 0.25 s per iteration of the one-rank default graph beside a busy process).
@@ -61,6 +62,7 @@ def start_ray(address: str | None, pools: Iterable[PoolSpec], worker_log: Path |
             "env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **quiet.get("env_vars", {})},
         },
     )
+    return worker_log
 
 
 class PoolUnavailableError(RuntimeError):
