@@ -1,4 +1,5 @@
-"""Loggers chosen by ``trainer.loggers``: console lines, TensorBoard scalars, sample generations."""
+"""Loggers chosen by ``trainer.loggers``: console lines, TensorBoard scalars, wandb and MLflow runs
+(read back with their own tools), sample generations."""
 
 from __future__ import annotations
 

@@ -30,8 +30,8 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     # The reward module must be importable on the workers: on PYTHONPATH before Ray starts.
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
     cmd = [
-        sys.executable, "-m", "hybridflow.cli.main", "run", str(ROOT / "graphs" / "grpo.yaml"), *SMALL,
-        "--pools", str(ROOT / "resource_pools" / "one_cpu.yaml"), *args,
+        sys.executable, "-m", "hybridflow.cli.main", "run", str(ROOT / "graphs" / "grpo.yaml"), *SMALL, *args,
+        "--pools", str(ROOT / "resource_pools" / "one_cpu.yaml"),
     ]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
