@@ -811,7 +811,11 @@ class TrainerSpec(Spec):
     val_interval: int = Field(10, ge=0, description="Validate every N iterations; 0 = never.")
     save_dir: str = Field("runs/{name}", description="Run directory ({name} = graph name).")
     save_final: bool = Field(True, description="Save the final actor in HF format.")
-    progress: bool = Field(True, description="Show a progress bar.")
+    progress: bool = Field(
+        True,
+        description="Show a progress bar (on a terminal only: piped or logged, the console lines "
+        "are the progress).",
+    )
     trace_interval: int = Field(
         0,
         ge=0,
