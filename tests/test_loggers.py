@@ -195,3 +195,21 @@ def test_wandb_missing_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(SpecError) as info:
         RunLoggers(TrainerSpec(loggers=["wandb"]), tmp_path, "g.yaml")
     assert info.value.field == "trainer.loggers" and "hybridflow[wandb]" in str(info.value)
+
+
+def test_mlflow_tracking_uri_wins_over_the_run_dir_store(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    store = tmp_path / "shared.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    loggers = RunLoggers(TrainerSpec(loggers=["mlflow"]), run_dir, "g.yaml", name="g")
+    loggers.log(_tracked_records(1)[0])
+    loggers.close()
+    assert store.is_file() and not (run_dir / "mlflow" / "mlflow.db").exists()
+    run_id = (run_dir / "mlflow" / "run_id").read_text().strip()
+    history = MlflowClient(tracking_uri=f"sqlite:///{store}").get_metric_history(run_id, "reward/mean")
+    assert [(m.step, m.value) for m in history] == [(1, 0.25)]
