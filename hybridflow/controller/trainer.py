@@ -10,7 +10,7 @@ One iteration (``fit`` -> ``_iterate`` -> ``step``), for any graph; grpo.yaml's 
                            metrics <----/
     validate()             every trainer.val_interval: greedy generate + score, held-out prompts
     nan_guard.observe()    counts updates skipped for a non-finite loss or gradient
-    logger.log()           metrics.jsonl, samples.jsonl, console / TensorBoard
+    logger.log()           metrics.jsonl, samples.jsonl, console / TensorBoard / wandb / MLflow
     callbacks, NaN guard   nan_tolerance skipped updates in a row: RunStopped
     checkpointer.save()    every trainer.save_interval: checkpoints/iter_N, atomic, layout-free
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -83,6 +84,8 @@ def _drop_unfetched_copies(cause: BaseException) -> None:
 class Trainer:
     """Runs a graph: ``fit()`` sets up, iterates, checkpoints, recovers and saves the actor.
 
+    ``verbose=False`` sends the workers' own output (library warnings and logs) to
+    ``RUN_DIR/workers.log`` instead of the console, where this process starts Ray.
     ``resume=True`` continues the run in ``run_dir`` (default: the newest run under
     ``trainer.save_dir`` that has a checkpoint) from its newest complete checkpoint.
     ``callbacks`` are called as ``cb(trainer, iteration, metrics)`` after each iteration's
@@ -99,8 +102,10 @@ class Trainer:
         address: str | None = None,
         run_dir: str | None = None,
         resume: bool = False,
+        verbose: bool = True,
     ):
         self.graph = graph
+        self.verbose = verbose
         self.spec = graph.spec
         self.address = address
         self.resume = resume
@@ -139,8 +144,10 @@ class Trainer:
             if self.resume and resume_from is None:
                 log.warning("--resume: %s has no complete checkpoint; starting from the beginning", self.run_dir)
             done = self._restore(resume_from, rewind=self.resume)
-            bar = tqdm(total=total, initial=done, desc=self.spec.name,
-                       disable=not self.spec.trainer.progress, dynamic_ncols=True)
+            # Redraws of a bar are noise in a log file or a pipe: there the console logger's
+            # line every log_interval iterations is the progress.
+            shown = self.spec.trainer.progress and sys.stdout.isatty() and sys.stderr.isatty()
+            bar = tqdm(total=total, initial=done, desc=self.spec.name, disable=not shown, dynamic_ncols=True)
             while done < last:
                 try:
                     metrics = self._iterate(done + 1)
@@ -249,11 +256,15 @@ class Trainer:
         # Generation ahead: the dataset's position before the buffered generations' prompts.
         self.checkpointer.components.update(dataset=self.ahead or self.dataset, guard=self.nan_guard)
         self.checkpointer.mark_start()
-        self.logger = RunLoggers(spec.trainer, self.run_dir, self.graph.file)
+        self.logger = RunLoggers(spec.trainer, self.run_dir, self.graph.file, name=spec.name)
         tqdm.write(batch_plan(spec, self.graph.layouts, self.graph.file).describe())
         for name, why in self.graph.redundant_nodes().items():
             tqdm.write(f"note: node {name!r} is redundant: {why}")
-        start_ray(self.address, self.graph.pools.values())
+        worker_log = start_ray(
+            self.address, self.graph.pools.values(), worker_log=None if self.verbose else self.dirs.path / "workers.log"
+        )
+        if worker_log is not None:
+            tqdm.write(f"workers' output (library warnings, engine logs): {worker_log}; --verbose shows it here")
         for pool_name in self.graph.used_pools():
             pool = ResourcePool(pool_name, self.graph.pools[pool_name])
             pool.create()

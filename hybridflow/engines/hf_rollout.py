@@ -12,6 +12,7 @@ from that engine copies nothing.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -239,7 +240,10 @@ def standalone(build_module, tokenizer, *, source_dir, max_model_len: int, seed:
 
         num = prompts.batch_size[0]
         parts = []
-        with tqdm(total=num, desc="greedy" if params.greedy else f"{params.n} samples", unit="prompt") as bar:
+        # As `hybridflow run`'s: a bar only on a terminal, never redrawn into a pipe or a log file.
+        shown = sys.stdout.isatty() and sys.stderr.isatty()
+        desc = "greedy" if params.greedy else f"{params.n} samples"
+        with tqdm(total=num, desc=desc, unit="prompt", disable=not shown) as bar:
             for i in range(0, num, chunk):
                 parts.append(rollout.generate(prompts[i : i + chunk], params))
                 bar.update(min(chunk, num - i))

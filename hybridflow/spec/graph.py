@@ -767,6 +767,16 @@ class AsyncSpec(Spec):
         return self
 
 
+class TrackingSpec(Spec):
+    """How a run is named in an experiment tracker (``trainer.loggers`` wandb, mlflow)."""
+
+    project: str | None = Field(
+        None, description="wandb project and MLflow experiment; null = the graph's name."
+    )
+    run_name: str | None = Field(None, description="The run's name there; null = the run directory's name.")
+    tags: list[str] = Field([], description="Tags of the run (wandb tags; MLflow tags with the value 'true').")
+
+
 class TrainerSpec(Spec):
     """Length of the run, seeds, validation, logging and what is saved."""
 
@@ -777,7 +787,11 @@ class TrainerSpec(Spec):
     val_interval: int = Field(10, ge=0, description="Validate every N iterations; 0 = never.")
     save_dir: str = Field("runs/{name}", description="Run directory ({name} = graph name).")
     save_final: bool = Field(True, description="Save the final actor in HF format.")
-    progress: bool = Field(True, description="Show a progress bar.")
+    progress: bool = Field(
+        True,
+        description="Show a progress bar (on a terminal only: piped or logged, the console lines "
+        "are the progress).",
+    )
     trace_interval: int = Field(
         0,
         ge=0,
@@ -788,11 +802,17 @@ class TrainerSpec(Spec):
         False,
         description="Run one node at a time (no overlap across pools); for comparing placements.",
     )
-    loggers: list[Literal["console", "tensorboard"]] = Field(
+    loggers: list[Literal["console", "tensorboard", "wandb", "mlflow"]] = Field(
         ["console"],
         description="Metric sinks besides RUN_DIR/metrics.jsonl, which is always written: "
         "'console' prints the key metrics every log_interval iterations; 'tensorboard' writes "
-        "event files to RUN_DIR/tensorboard (needs `pip install tensorboard`).",
+        "event files to RUN_DIR/tensorboard (the `tensorboard` extra); 'wandb' logs to Weights & "
+        "Biases, offline under RUN_DIR/wandb unless WANDB_API_KEY is set (the `wandb` extra); "
+        "'mlflow' logs to MLFLOW_TRACKING_URI, or a SQLite store RUN_DIR/mlflow/mlflow.db, and "
+        "a resumed run continues the same MLflow run (the `mlflow` extra).",
+    )
+    tracking: TrackingSpec = Field(
+        default_factory=TrackingSpec, description="Project, run name and tags for wandb and mlflow."
     )
     log_interval: int = Field(10, ge=1, description="Console logger: a line every N iterations.")
     sample_interval: int = Field(
