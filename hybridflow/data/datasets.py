@@ -162,6 +162,13 @@ def _builtin_rows(source: str, num: int, seed: int) -> list[dict]:
 
 def read_rows(path: str, field: str = "data.train_files") -> list[dict]:
     """The rows of one parquet or JSONL file, read with HF ``datasets`` and checked row by row."""
+    raw, wheres = read_records(path, field)
+    return [_row(obj, where, field) for obj, where in zip(raw, wheres)]
+
+
+def read_records(path: str, field: str = "data.train_files") -> tuple[list[dict], list[str]]:
+    """The raw records of one parquet or JSONL file (at least one), read with HF ``datasets``,
+    and where each came from (``FILE:LINE`` or ``FILE:row N``); no check of their fields."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such data file ({field})", field)
     if path.endswith(".parquet"):
@@ -173,7 +180,7 @@ def read_rows(path: str, field: str = "data.train_files") -> list[dict]:
         raise DataError(f"{path}: expected a .parquet, .jsonl or .json file ({field})", field)
     if not raw:
         raise DataError(f"{path}: expected at least one row, found none", field)
-    return [_row(obj, where, field) for obj, where in zip(raw, wheres)]
+    return raw, wheres
 
 
 def _quiet(datasets) -> None:
@@ -201,7 +208,7 @@ def _read_jsonl(path: str, field: str) -> tuple[list[dict], list[str]]:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
-        raise DataError(f"{path}: cannot read prompt file ({e.strerror})", field) from None
+        raise DataError(f"{path}: cannot read data file ({e.strerror})", field) from None
     try:
         lines = raw.decode("utf-8").splitlines()
     except UnicodeDecodeError as e:
@@ -235,29 +242,37 @@ def _read_jsonl(path: str, field: str) -> tuple[list[dict], list[str]]:
     return [{k: v for k, v in row.items() if k in own} for row, own in zip(rows, parsed)], wheres
 
 
-def _row(obj: dict, where: str, field: str) -> dict:
-    """One checked row (module docstring) of a raw verl or short-schema record."""
-    prompt = obj.get("prompt")
+def check_messages(messages: list, where: str, field: str, name: str) -> list[dict]:
+    """A non-empty list of chat messages as plain ``{role, content}`` dicts; ``DataError``
+    naming ``name[i]`` and its role or content when one is not such a message."""
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise DataError(f"{where}: {name}[{i}]: expected a {{role, content}} message", field)
+        if message.get("role") not in ROLES:
+            raise DataError(
+                f"{where}: {name}[{i}].role: expected one of {', '.join(ROLES)}, "
+                f"got {shorten(repr(message.get('role')))}",
+                field,
+            )
+        if not isinstance(message.get("content"), str):
+            raise DataError(f"{where}: {name}[{i}].content: expected a string", field)
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def check_prompt(prompt, where: str, field: str) -> str | list[dict]:
+    """A row's ``prompt``: a non-empty string, or chat messages (``check_messages``)."""
     if isinstance(prompt, str):
         if not prompt:
             raise DataError(f'{where}: prompt: expected a non-empty string', field)
-    elif isinstance(prompt, list) and prompt:
-        for i, message in enumerate(prompt):
-            if not isinstance(message, dict):
-                raise DataError(f"{where}: prompt[{i}]: expected a {{role, content}} message", field)
-            if message.get("role") not in ROLES:
-                raise DataError(
-                    f"{where}: prompt[{i}].role: expected one of {', '.join(ROLES)}, "
-                    f"got {shorten(repr(message.get('role')))}",
-                    field,
-                )
-            if not isinstance(message.get("content"), str):
-                raise DataError(f"{where}: prompt[{i}].content: expected a string", field)
-        prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
-    else:
-        raise DataError(
-            f'{where}: prompt: expected a string or a list of {{role, content}} messages', field
-        )
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        return check_messages(prompt, where, field, "prompt")
+    raise DataError(f'{where}: prompt: expected a string or a list of {{role, content}} messages', field)
+
+
+def _row(obj: dict, where: str, field: str) -> dict:
+    """One checked row (module docstring) of a raw verl or short-schema record."""
+    prompt = check_prompt(obj.get("prompt"), where, field)
     reward_model = obj.get("reward_model")
     if reward_model is not None:
         if not isinstance(reward_model, dict):

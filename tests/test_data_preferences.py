@@ -1,0 +1,214 @@
+"""Preference pairs read with HF datasets: TRL/OpenRLHF and PKU-SafeRLHF rows, the bad rows
+each named by file, row and field, and the batch a scalar model's forward takes."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+import torch
+
+from hybridflow.data import keys as K
+from hybridflow.data.datasets import DataError, render_prompt
+from hybridflow.data.preferences import (
+    collate_pairs,
+    encode_pairs,
+    load_pair_data,
+    pair_forward_batch,
+    read_pairs,
+    split_pair_scores,
+)
+from hybridflow.data.tasks import get_task
+from hybridflow.spec.graph import DataSpec
+from tests.test_data_files import chat_tokenizer
+
+COPY = get_task("copy").tokenizer()
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_trl_string_rows_to_a_pair_batch(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "abc=", "chosen": "abc", "rejected": "abd"},
+        {"prompt": "hgfed=", "chosen": "hgfed", "rejected": "h", "margin": 0.5},
+    ])
+    rows = read_pairs(path)
+    assert [r["origin"] for r in rows] == [f"{path}:1", f"{path}:2"]
+    assert rows[1]["chosen"] == "hgfed" and rows[1]["margin"] == 0.5 and rows[0]["margin"] == 0.0
+    batch = collate_pairs(rows, COPY, max_prompt_length=8, max_response_length=6, uid_start=10)
+    eos, pad = COPY.eos_token_id, COPY.pad_token_id
+    assert batch.batch_size == torch.Size([2])
+    assert batch[K.UID].tolist() == [10, 11]
+    # prompts left-padded to the longest (6 tokens), responses right-padded to one width (6)
+    assert batch[K.PROMPT_IDS][0].tolist() == [pad, pad, *ids(COPY, "abc=")]
+    assert batch[K.PROMPT_MASK][0].tolist() == [0, 0, 1, 1, 1, 1]
+    assert batch[K.CHOSEN_IDS].tolist() == [[*ids(COPY, "abc"), eos, pad, pad], [*ids(COPY, "hgfed"), eos]]
+    assert batch[K.REJECTED_IDS].tolist() == [[*ids(COPY, "abd"), eos, pad, pad], [*ids(COPY, "h"), eos, *[pad] * 4]]
+    assert batch[K.CHOSEN_MASK].tolist() == [[1, 1, 1, 1, 0, 0], [1] * 6]
+    assert batch[K.REJECTED_MASK].tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]]
+    assert batch[K.PAIR_MARGIN].tolist() == [0.0, 0.5]
+    assert K.CHOSEN_SAFETY_SIGN not in batch.keys()
+    assert batch[K.PROMPT_TEXT] == ["abc=", "hgfed="]
+
+
+def test_chat_rows_in_their_three_shapes_render_like_prompts(tmp_path):
+    tok = chat_tokenizer()
+    user = [{"role": "user", "content": "Say hi"}]
+    answer = [{"role": "assistant", "content": "hi!"}]
+    other = [{"role": "assistant", "content": "no."}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [
+        {"prompt": user, "chosen": answer, "rejected": other},  # TRL explicit prompt
+        {"prompt": "Say hi", "chosen": user + answer, "rejected": user + other},  # H4 ultrafeedback
+        {"chosen": user + answer, "rejected": user + other},  # TRL implicit prompt
+        {"prompt": user, "chosen": "hi!", "rejected": "no."},  # chat prompt, string responses
+    ])
+    rows = read_pairs(path)
+    encoded = encode_pairs(rows, tok, max_prompt_length=64, max_response_length=8)
+    text, prompt_ids = render_prompt({"prompt": user}, tok)
+    assert text.endswith("<|im_start|>assistant\n")
+    for pair in encoded:
+        assert (pair.prompt_text, pair.prompt_ids) == (text, prompt_ids)
+        # what a rollout would hold: the content's tokens and EOS (<|im_end|> for ChatML)
+        assert pair.chosen_ids == [*ids(tok, "hi!"), tok.convert_tokens_to_ids("<|im_end|>")]
+        assert pair.rejected_ids == [*ids(tok, "no."), tok.eos_token_id]
+
+
+def pku(**overrides):
+    row = {
+        "prompt": "abc=", "response_0": "abc", "response_1": "bbc", "better_response_id": 0,
+        "safer_response_id": 1, "is_response_0_safe": False, "is_response_1_safe": True,
+    }
+    return {**row, **overrides}
+
+
+def test_pku_saferlhf_rows_give_reward_and_cost_pairs(tmp_path):
+    path = tmp_path / "pku.parquet"
+    datasets.Dataset.from_list([pku(), pku(response_0="ab", better_response_id=1, safer_response_id=0,
+                                           is_response_0_safe=True, is_response_1_safe=True)]).to_parquet(str(path))
+    reward = read_pairs(str(path), "reward")
+    assert [(r["chosen"], r["rejected"]) for r in reward] == [("abc", "bbc"), ("bbc", "ab")]
+    assert reward[0]["chosen_safe"] is None and reward[0]["origin"] == f"{path}:row 0"
+    cost = read_pairs(str(path), "cost")
+    # chosen = the less safe response: the one a cost model scores higher
+    assert [(r["chosen"], r["rejected"]) for r in cost] == [("abc", "bbc"), ("bbc", "ab")]
+    assert [(r["chosen_field"], r["rejected_field"]) for r in cost] == [("response_0", "response_1"), ("response_1", "response_0")]
+    batch = collate_pairs(cost, COPY, max_prompt_length=8, max_response_length=6)
+    assert batch[K.CHOSEN_SAFETY_SIGN].tolist() == [1.0, -1.0]  # +1 unsafe, -1 safe
+    assert batch[K.REJECTED_SAFETY_SIGN].tolist() == [-1.0, -1.0]
+
+
+TRL_GOOD = {"prompt": "abc=", "chosen": "abc", "rejected": "abd"}
+ROBOT = [{"role": "robot", "content": "x"}]
+ASSIST = [{"role": "assistant", "content": "abc"}]
+
+
+@pytest.mark.parametrize(
+    "kind, row, expected",
+    [
+        ("reward", {"prompt": "abc=", "chosen": "abc"}, "rejected: missing; expected a string or chat messages"),
+        ("reward", {"chosen": "abc", "rejected": "abd"}, "prompt: missing; expected a string or chat messages"),
+        ("reward", {"prompt": "abc=", "chosen": "abc", "rejected": "abc"},
+         "rejected: the same as chosen; expected two different responses"),
+        ("reward", {"prompt": "abc=", "chosen": "", "rejected": "abd"}, "chosen: expected a non-empty response"),
+        ("reward", {"prompt": "abc=", "chosen": "abc", "rejected": [{"role": "assistant", "content": " "}]},
+         "rejected: expected a non-empty response"),
+        ("reward", {"prompt": "abc=", "chosen": 3, "rejected": "abd"},
+         "chosen: expected a string or a list of {role, content} messages"),
+        ("reward", {"prompt": ["abc="], "chosen": "abc", "rejected": "abd"}, "prompt[0]: expected a {role, content} message"),
+        ("reward", {"prompt": ROBOT, "chosen": "abc", "rejected": "abd"},
+         "prompt[0].role: expected one of system, user, assistant, tool, got 'robot'"),
+        ("reward", {"prompt": "abc=", "chosen": ROBOT + ASSIST, "rejected": "abd"},
+         "chosen[0].role: expected one of system, user, assistant, tool, got 'robot'"),
+        ("reward", {"prompt": "abc=", "chosen": [{"role": "user", "content": "abc"}], "rejected": "abd"},
+         "chosen[0].role: expected assistant (the response is the last message), got 'user'"),
+        ("reward", {"prompt": "abc=", "chosen": [{"role": "user", "content": "x="}, *ASSIST], "rejected": "abd"},
+         "chosen: the messages before its response differ from prompt"),
+        ("reward", {"chosen": [{"role": "user", "content": "x="}, *ASSIST],
+                    "rejected": [{"role": "user", "content": "y="}, {"role": "assistant", "content": "b"}]},
+         "rejected: the messages before its response differ from chosen's"),
+        ("reward", {**TRL_GOOD, "margin": "big"}, "margin: expected a finite number, got 'big'"),
+        ("reward", {"prompt": "abc=", "answer": "abc"}, "chosen: missing; expected a preference row"),
+        ("reward", pku(better_response_id=2), "better_response_id: expected 0 or 1, got 2"),
+        ("reward", pku(better_response_id="0"), "better_response_id: expected 0 or 1, got '0'"),
+        ("reward", pku(better_response_id=True), "better_response_id: expected 0 or 1, got True"),
+        ("reward", pku(better_response_id=None), "better_response_id: missing; expected PKU-SafeRLHF's fields"),
+        ("reward", pku(response_1="abc"), "response_1: the same as response_0; expected two different responses"),
+        ("reward", pku(response_0=""), "response_0: expected a non-empty response"),
+        ("cost", pku(safer_response_id=-1), "safer_response_id: expected 0 or 1, got -1"),
+        ("cost", pku(is_response_1_safe="yes"), "is_response_1_safe: expected true or false, got 'yes'"),
+        ("cost", {k: v for k, v in pku().items() if k != "is_response_0_safe"}, "is_response_0_safe: missing"),
+        ("cost", TRL_GOOD, "safer_response_id: missing; cost pairs need PKU-SafeRLHF rows"),
+    ],
+)
+def test_bad_row_is_one_line_naming_file_row_and_field(tmp_path, kind, row, expected):
+    good = pku() if kind == "cost" else TRL_GOOD
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, row])
+    with pytest.raises(DataError) as excinfo:
+        read_pairs(path, kind, "data.val_files")
+    message = str(excinfo.value)
+    assert message.startswith(f"{path}:2: {expected}"), message
+    assert "\n" not in message
+    assert excinfo.value.field == "data.val_files"
+
+
+@pytest.mark.parametrize(
+    "row, expected",
+    [
+        ({"prompt": "abcdefgh=", "chosen": "a", "rejected": "b"}, "prompt 'abcdefgh=' is 9 tokens, expected 1 to data.max_prompt_length = 8"),
+        ({"prompt": "abc=", "chosen": "abc", "rejected": "abcdef"},
+         "rejected: the response is 7 tokens with its EOS, expected at most data.max_response_length = 6"),
+        (pku(response_1="abcdefgh"), "response_1: the response is 9 tokens with its EOS"),
+        ({"prompt": "abc=", "chosen": "abc", "rejected": "xyz"}, "rejected: has characters outside the built-in task's tokenizer: 'xyz'"),
+    ],
+)
+def test_row_over_the_length_limit_names_row_and_field(tmp_path, row, expected):
+    path = write_jsonl(tmp_path / "long.jsonl", [TRL_GOOD, row])
+    rows = read_pairs(path)
+    with pytest.raises(DataError) as excinfo:
+        collate_pairs(rows, COPY, max_prompt_length=8, max_response_length=6)
+    assert str(excinfo.value).startswith(f"{path}:2: {expected}"), str(excinfo.value)
+
+
+def test_load_pair_data_reads_train_files_first_and_splits(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", [{**TRL_GOOD, "chosen": c} for c in ("a", "b", "c", "d")])
+    val = write_jsonl(tmp_path / "val.jsonl", [{**TRL_GOOD, "chosen": "e"}, {**TRL_GOOD, "chosen": "f"}])
+    rows, held_out = load_pair_data(DataSpec(train_files=train, num_val=1), None)
+    assert [r["chosen"] for r in rows] == ["a", "b", "c"] and [r["chosen"] for r in held_out] == ["d"]
+    rows, held_out = load_pair_data(DataSpec(train_files=train, val_files=val, num_val=1), None)
+    assert len(rows) == 4 and [r["chosen"] for r in held_out] == ["e"]
+
+    bad_train = write_jsonl(tmp_path / "bad_train.jsonl", [{"prompt": "abc="}])
+    bad_val = write_jsonl(tmp_path / "bad_val.jsonl", [{"prompt": "abc="}])
+    with pytest.raises(DataError, match="bad_train.jsonl:1: chosen: missing") as excinfo:
+        load_pair_data(DataSpec(train_files=bad_train, val_files=bad_val), None)
+    assert excinfo.value.field == "data.train_files"
+    with pytest.raises(DataError, match="data.train_files: expected preference files"):
+        load_pair_data(DataSpec(), None)
+
+
+def test_pair_forward_batch_lays_out_chosen_then_rejected(tmp_path):
+    rows = read_pairs(write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "abc=", "chosen": "abc", "rejected": "ab"},
+        {"prompt": "ab=", "chosen": "ab", "rejected": "abcd"},
+    ]))
+    pairs = collate_pairs(rows, COPY, max_prompt_length=8, max_response_length=6)
+    batch = pair_forward_batch(pairs)
+    assert batch.batch_size == torch.Size([4])
+    eos, pad = COPY.eos_token_id, COPY.pad_token_id
+    # sample 3 is pair 1's rejected response after its left-padded prompt
+    assert batch[K.INPUT_IDS][3].tolist() == [pad, *ids(COPY, "ab="), *ids(COPY, "abcd"), eos]
+    assert batch[K.ATTENTION_MASK][3].tolist() == [0, 1, 1, 1, 1, 1, 1, 1, 1]
+    assert batch[K.POSITION_IDS][3].tolist() == [0, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert batch[K.INPUT_IDS][1].tolist() == [pad, *ids(COPY, "ab="), *ids(COPY, "ab"), eos, pad, pad]
+    assert torch.equal(batch[K.RESPONSES][:2], pairs[K.CHOSEN_IDS])
+    assert torch.equal(batch[K.RESPONSE_MASK][2:], pairs[K.REJECTED_MASK])
+    chosen, rejected = split_pair_scores(torch.arange(4.0))
+    assert chosen.tolist() == [0.0, 1.0] and rejected.tolist() == [2.0, 3.0]
