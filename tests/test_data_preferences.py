@@ -21,7 +21,7 @@ from hybridflow.data.preferences import (
 )
 from hybridflow.data.tasks import get_task
 from hybridflow.spec.graph import DataSpec
-from tests.test_data_files import chat_tokenizer
+from test_data_files import chat_tokenizer
 
 COPY = get_task("copy").tokenizer()
 
