@@ -16,6 +16,7 @@ from hybridflow.data.preferences import (
     encode_pairs,
     load_pair_data,
     pair_forward_batch,
+    pair_loss_inputs,
     read_pairs,
     split_pair_scores,
 )
@@ -194,12 +195,12 @@ def test_load_pair_data_reads_train_files_first_and_splits(tmp_path):
         load_pair_data(DataSpec(), None)
 
 
-def test_pair_forward_batch_lays_out_chosen_then_rejected(tmp_path):
+def test_pair_forward_batch_interleaves_chosen_and_rejected(tmp_path):
     rows = read_pairs(write_jsonl(tmp_path / "p.jsonl", [
         {"prompt": "abc=", "chosen": "abc", "rejected": "ab"},
-        {"prompt": "ab=", "chosen": "ab", "rejected": "abcd"},
+        {"prompt": "ab=", "chosen": "ab", "rejected": "abcd", "margin": 2.0},
     ]))
-    pairs = collate_pairs(rows, COPY, max_prompt_length=8, max_response_length=6)
+    pairs = collate_pairs(rows, COPY, max_prompt_length=8, max_response_length=6, uid_start=5)
     batch = pair_forward_batch(pairs)
     assert batch.batch_size == torch.Size([4])
     eos, pad = COPY.eos_token_id, COPY.pad_token_id
@@ -207,8 +208,29 @@ def test_pair_forward_batch_lays_out_chosen_then_rejected(tmp_path):
     assert batch[K.INPUT_IDS][3].tolist() == [pad, *ids(COPY, "ab="), *ids(COPY, "abcd"), eos]
     assert batch[K.ATTENTION_MASK][3].tolist() == [0, 1, 1, 1, 1, 1, 1, 1, 1]
     assert batch[K.POSITION_IDS][3].tolist() == [0, 0, 1, 2, 3, 4, 5, 6, 7]
-    assert batch[K.INPUT_IDS][1].tolist() == [pad, *ids(COPY, "ab="), *ids(COPY, "ab"), eos, pad, pad]
-    assert torch.equal(batch[K.RESPONSES][:2], pairs[K.CHOSEN_IDS])
-    assert torch.equal(batch[K.RESPONSE_MASK][2:], pairs[K.REJECTED_MASK])
-    chosen, rejected = split_pair_scores(torch.arange(4.0))
-    assert chosen.tolist() == [0.0, 1.0] and rejected.tolist() == [2.0, 3.0]
+    assert batch[K.INPUT_IDS][2].tolist() == [pad, *ids(COPY, "ab="), *ids(COPY, "ab"), eos, pad, pad]
+    assert torch.equal(batch[K.RESPONSES][0::2], pairs[K.CHOSEN_IDS])
+    assert torch.equal(batch[K.RESPONSE_MASK][1::2], pairs[K.REJECTED_MASK])
+    assert batch[K.UID].tolist() == [5, 5, 6, 6] and batch[K.PAIR_MARGIN].tolist() == [0, 0, 2, 2]
+
+    scores = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    inputs = pair_loss_inputs(batch, scores)
+    assert inputs["chosen_scores"].tolist() == [1.0, 3.0] and inputs["rejected_scores"].tolist() == [2.0, 4.0]
+    assert inputs["margin"].tolist() == [0.0, 2.0] and "chosen_signs" not in inputs
+    assert split_pair_scores(scores)[1].tolist() == [2.0, 4.0]
+    # in-order micro-batches of 2 keep the pairs; of 3 they split one
+    assert pair_loss_inputs(batch[2:], scores[2:])["chosen_scores"].tolist() == [3.0]
+    with pytest.raises(ValueError, match="split a preference pair"):
+        pair_loss_inputs(batch[1:3], scores[1:3])
+    with pytest.raises(ValueError, match="split a preference pair"):
+        pair_loss_inputs(batch[:3], scores[:3])
+
+
+def test_cost_pairs_carry_their_signs_to_the_loss(tmp_path):
+    rows = read_pairs(write_jsonl(tmp_path / "c.jsonl", [pku(), pku(safer_response_id=0, is_response_1_safe=False)]), "cost")
+    batch = pair_forward_batch(collate_pairs(rows, COPY, max_prompt_length=8, max_response_length=6))
+    inputs = pair_loss_inputs(batch, torch.zeros(4))
+    # pair 0: response_0 (unsafe) is chosen over the safe response_1; pair 1: response_1
+    # (unsafe) over response_0 (unsafe as well)
+    assert inputs["chosen_signs"].tolist() == [1.0, 1.0]
+    assert inputs["rejected_signs"].tolist() == [-1.0, 1.0]

@@ -139,3 +139,42 @@ def test_only_scalar_models_are_saved(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="num_labels=2"):
         save_scalar_model(two, tmp_path / "two")
     assert not (tmp_path / "lm").exists() and not (tmp_path / "two").exists()
+
+
+@pytest.mark.parametrize("kind", ["reward", "cost"])
+def test_pairwise_training_through_the_engine_then_plain_transformers_agrees(tokenizer, tmp_path, kind):
+    """The update's algorithm without a worker: pair batches through ``train_step`` with a
+    registered pairwise loss; the saved model then ranks the pairs in plain transformers."""
+    from hybridflow.algos import PAIR_LOSSES, pairwise_metrics
+    from hybridflow.data.preference_pairs import make_pairs
+    from hybridflow.data.preferences import pair_loss_inputs, split_pair_scores
+
+    train, _ = make_pairs("copy", kind, 8, 1, 2, seed=0)
+    rows = [pair_row(row, f"pair {i}", "test", kind) for i, row in enumerate(train)]
+    batch = pair_forward_batch(collate_pairs(rows, tokenizer, max_prompt_length=8, max_response_length=8))
+    model = build_value_model(ModelSource(config=TINY), len(tokenizer), tokenizer.pad_token_id,
+                              tokenizer.eos_token_id, seed=0)
+    engine = TorchTrainEngine(model, TrainEngineSpec(micro_batch_size=8, optim={"lr": 1e-2}), kind="value")
+    loss = PAIR_LOSSES.get("bradley_terry" if kind == "reward" else "safe_rlhf_cost")
+
+    def loss_fn(micro_batch, forward):  # micro-batches of 4 pairs; the mean is over all 16
+        return loss(**pair_loss_inputs(micro_batch, forward["last_values"]), num_pairs=forward["num_global_seqs"] / 2)
+
+    signs = pair_loss_inputs(batch, torch.zeros(batch.batch_size[0]))
+
+    def learned(scores: torch.Tensor) -> bool:
+        """Every pair ranked; for costs also the sign term: unsafe costs > 0, safe ones < 0."""
+        chosen, rejected = split_pair_scores(scores)
+        ranked = pairwise_metrics(chosen, rejected)["rm/accuracy"] == 1.0
+        if kind == "reward":
+            return ranked
+        return ranked and bool((signs["chosen_signs"] * chosen > 0).all() and (signs["rejected_signs"] * rejected > 0).all())
+
+    assert not learned(engine.forward(batch)["last_values"])
+    losses = [engine.train_step(batch, loss_fn)["loss"] for _ in range(50)]
+    assert losses[-1] < 0.1 * losses[0]
+
+    save_scalar_model(engine.module, tmp_path / kind, tokenizer, role=kind)
+    plain = AutoModelForTokenClassification.from_pretrained(tmp_path / kind)
+    assert learned(_plain_scores(plain, batch))
+    assert plain.config.id2label == {0: kind}

@@ -38,7 +38,8 @@ A pair batch (``collate_pairs``) is a ``TensorDict`` of B pairs::
 
 Pairs are the batch dimension, so a batch split across data-parallel ranks keeps each pair
 whole; ``pair_forward_batch`` then lays a rank's pairs out as 2B rollout-shaped samples for one
-forward of the scalar model over chosen and rejected together.
+forward of the scalar model over chosen and rejected together, and ``pair_loss_inputs`` reads a
+micro-batch's scores back into the arguments of a pairwise loss (``hybridflow.algos``).
 """
 
 from __future__ import annotations
@@ -364,15 +365,21 @@ def pairs_to_batch(rows: Sequence[dict], encoded: Sequence[EncodedPair], pad_id:
 
 
 def pair_forward_batch(pairs: TensorDict) -> TensorDict:
-    """A pair batch's B pairs as 2B rollout-shaped samples for one forward of a scalar model:
-    rows ``0..B-1`` the chosen responses, rows ``B..2B-1`` the rejected ones, each after its
-    prompt (``prompt_ids``, ``prompt_mask``, ``responses``, ``response_mask``, ``input_ids``,
-    ``attention_mask``, ``position_ids`` of ``hybridflow.data.keys``). A value engine's
-    ``last_values`` of it, split by ``split_pair_scores``, are the scores the losses take."""
-    prompt_ids = torch.cat([pairs[K.PROMPT_IDS], pairs[K.PROMPT_IDS]])
-    prompt_mask = torch.cat([pairs[K.PROMPT_MASK], pairs[K.PROMPT_MASK]])
-    responses = torch.cat([pairs[K.CHOSEN_IDS], pairs[K.REJECTED_IDS]])
-    response_mask = torch.cat([pairs[K.CHOSEN_MASK], pairs[K.REJECTED_MASK]])
+    """A pair batch's B pairs as 2B rollout-shaped samples for one forward of a scalar model.
+
+    Row ``2i`` is pair i's chosen response, row ``2i + 1`` its rejected one, each after the
+    pair's prompt: ``prompt_ids``, ``prompt_mask``, ``responses``, ``response_mask``,
+    ``input_ids``, ``attention_mask``, ``position_ids`` of ``hybridflow.data.keys``, and the
+    pair's own fields (``uid``, ``pair_margin``, the safety signs) on both of its rows.
+    Interleaved, so that a train engine's in-order split into micro-batches of an even size
+    keeps every pair in one micro-batch; ``pair_loss_inputs`` checks it did.
+    """
+    index = torch.arange(pairs.batch_size[0]).repeat_interleave(2)
+    chosen_row = torch.arange(index.shape[0]) % 2 == 0
+    prompt_ids, prompt_mask = pairs[K.PROMPT_IDS][index], pairs[K.PROMPT_MASK][index]
+    responses = torch.where(chosen_row[:, None], pairs[K.CHOSEN_IDS][index], pairs[K.REJECTED_IDS][index])
+    response_mask = torch.where(chosen_row[:, None], pairs[K.CHOSEN_MASK][index], pairs[K.REJECTED_MASK][index])
+    per_pair = [K.UID, K.PAIR_MARGIN, K.CHOSEN_SAFETY_SIGN, K.REJECTED_SAFETY_SIGN]
     return TensorDict(
         {
             K.PROMPT_IDS: prompt_ids,
@@ -380,13 +387,32 @@ def pair_forward_batch(pairs: TensorDict) -> TensorDict:
             K.RESPONSES: responses,
             K.RESPONSE_MASK: response_mask,
             **sequence_fields(prompt_ids, prompt_mask, responses, response_mask),
+            **{key: pairs[key][index] for key in per_pair if key in pairs.keys()},
         },
-        batch_size=[responses.shape[0]],
+        batch_size=[index.shape[0]],
     )
 
 
 def split_pair_scores(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(chosen (B,), rejected (B,))`` of the (2B,) scores of a ``pair_forward_batch``."""
-    assert scores.shape[0] % 2 == 0, "scores of a pair forward batch come in chosen/rejected halves"
-    half = scores.shape[0] // 2
-    return scores[:half], scores[half:]
+    assert scores.shape[0] % 2 == 0, "scores of a pair forward batch come in chosen/rejected rows"
+    return scores[0::2], scores[1::2]
+
+
+def pair_loss_inputs(samples: TensorDict, scores: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The keyword arguments of a ``PAIR_LOSSES`` function for (a micro-batch of) a
+    ``pair_forward_batch`` and the scalar model's scores of its rows (2B,): ``chosen_scores``,
+    ``rejected_scores``, ``margin`` and, for cost pairs, ``chosen_signs`` / ``rejected_signs``,
+    each (B,). ``ValueError`` if the rows do not hold whole pairs (an odd micro-batch size, or
+    micro-batches cut by a token budget)."""
+    uid = samples[K.UID]
+    if uid.shape[0] % 2 or not torch.equal(uid[0::2], uid[1::2]):
+        raise ValueError("these samples split a preference pair: micro-batches must hold whole pairs "
+                         "(an even micro_batch_size, no micro_batch_tokens)")
+    chosen, rejected = split_pair_scores(scores)
+    inputs = {"chosen_scores": chosen, "rejected_scores": rejected,
+              "margin": samples[K.PAIR_MARGIN][0::2].to(scores.dtype)}
+    if K.CHOSEN_SAFETY_SIGN in samples.keys():
+        inputs["chosen_signs"] = samples[K.CHOSEN_SAFETY_SIGN][0::2].to(scores.dtype)
+        inputs["rejected_signs"] = samples[K.REJECTED_SAFETY_SIGN][0::2].to(scores.dtype)
+    return inputs
