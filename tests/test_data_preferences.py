@@ -12,6 +12,7 @@ import torch
 from hybridflow.data import keys as K
 from hybridflow.data.datasets import DataError, render_prompt
 from hybridflow.data.preferences import (
+    PairDataset,
     collate_pairs,
     encode_pairs,
     load_pair_data,
@@ -234,3 +235,23 @@ def test_cost_pairs_carry_their_signs_to_the_loss(tmp_path):
     # (unsafe) over response_0 (unsafe as well)
     assert inputs["chosen_signs"].tolist() == [1.0, 1.0]
     assert inputs["rejected_signs"].tolist() == [-1.0, 1.0]
+
+
+def test_pair_dataset_serves_fixed_size_batches_and_resumes(tmp_path):
+    rows = read_pairs(write_jsonl(tmp_path / "p.jsonl", [{**TRL_GOOD, "chosen": c} for c in "abcde"]))
+    dataset = PairDataset(rows, COPY, max_prompt_length=8, max_response_length=6, pairs_per_iteration=3, seed=1)
+    first = [dataset.next_batch() for _ in range(3)]  # 9 pairs: into the second epoch
+    assert all(b.batch_size == torch.Size([3]) for b in first)
+    assert [b[K.UID].tolist() for b in first] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    served = [COPY.decode(ids[:1]) for b in first for ids in b[K.CHOSEN_IDS]]
+    assert sorted(served[:5]) == list("abcde")  # the first epoch is a permutation of the pairs
+
+    resumed = PairDataset(rows, COPY, max_prompt_length=8, max_response_length=6, pairs_per_iteration=3, seed=1)
+    resumed.load_state_dict(dataset.state_dict())
+    assert torch.equal(resumed.next_batch()[K.CHOSEN_IDS], dataset.next_batch()[K.CHOSEN_IDS])
+
+    too_long = read_pairs(write_jsonl(tmp_path / "long.jsonl", [TRL_GOOD, {**TRL_GOOD, "rejected": "abcdefgh"}]))
+    with pytest.raises(DataError, match=r"long.jsonl:2: rejected: the response is 9 tokens"):
+        PairDataset(too_long, COPY, max_prompt_length=8, max_response_length=6, pairs_per_iteration=1)
+    with pytest.raises(DataError, match="no training pairs"):
+        PairDataset([], COPY, max_prompt_length=8, max_response_length=6, pairs_per_iteration=1)

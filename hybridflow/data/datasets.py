@@ -448,8 +448,11 @@ class PromptDataset:
     permutation drawn from a ``torch.Generator`` seeded from ``(seed, epoch)``, so the order
     depends only on those and ``state_dict()`` (epoch, position, next uid) resumes exactly.
     All prompts are tokenized and checked against ``max_prompt_length`` up front, so a bad
-    row stops the run before its first iteration.
+    row stops the run before its first iteration. A subclass serving other rows (preference
+    pairs) overrides ``_encode`` and ``_batch``; the order and resume state are the same.
     """
+
+    unit = "prompts"  # what a row is, for messages
 
     def __init__(
         self,
@@ -462,11 +465,11 @@ class PromptDataset:
         system_prompt: str | None = None,
     ) -> None:
         if not rows:
-            raise DataError("no training prompts, expected at least one row")
+            raise DataError(f"no training {self.unit}, expected at least one row")
         if prompts_per_iteration < 1:
-            raise ValueError(f"prompts_per_iteration must be >= 1, got {prompts_per_iteration}")
+            raise ValueError(f"{self.unit} per iteration must be >= 1, got {prompts_per_iteration}")
         self._rows = list(rows)
-        self._rendered = encode_prompts(self._rows, tokenizer, max_prompt_length, system_prompt)
+        self._rendered = self._encode(self._rows, tokenizer, max_prompt_length, system_prompt)
         self._pad_id = _pad_id(tokenizer)
         self.prompts_per_iteration = prompts_per_iteration
         self.shuffle = shuffle
@@ -497,9 +500,15 @@ class PromptDataset:
             picked.extend(self._order[self.position : self.position + take])
             self.position += take
         rows = [self._rows[i] for i in picked]
-        batch = _to_batch(rows, [self._rendered[i] for i in picked], self._pad_id, self.next_uid)
+        batch = self._batch(rows, [self._rendered[i] for i in picked], self.next_uid)
         self.next_uid += len(picked)
         return batch
+
+    def _encode(self, rows: list[dict], tokenizer, max_prompt_length: int, system_prompt: str | None) -> list:
+        return encode_prompts(rows, tokenizer, max_prompt_length, system_prompt)
+
+    def _batch(self, rows: list[dict], encoded: list, uid_start: int) -> TensorDict:
+        return _to_batch(rows, encoded, self._pad_id, uid_start)
 
     def state_dict(self) -> dict[str, int]:
         return {
@@ -512,8 +521,8 @@ class PromptDataset:
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["num_rows"] != len(self._rows):
             raise DataError(
-                f"resume state is for {state['num_rows']} prompts, this dataset has "
-                f"{len(self._rows)}: expected the same data.source and split"
+                f"resume state is for {state['num_rows']} {self.unit}, this dataset has "
+                f"{len(self._rows)}: expected the same data and split"
             )
         if not 0 <= state["position"] <= len(self._rows):
             raise ValueError(f"resume position {state['position']} outside 0..{len(self._rows)}")

@@ -60,6 +60,7 @@ from hybridflow.data.datasets import (
     FIELD,
     ORIGIN,
     DataError,
+    PromptDataset,
     _pad_id,
     check_messages,
     check_prompt,
@@ -416,3 +417,32 @@ def pair_loss_inputs(samples: TensorDict, scores: torch.Tensor) -> dict[str, tor
         inputs["chosen_signs"] = samples[K.CHOSEN_SAFETY_SIGN][0::2].to(scores.dtype)
         inputs["rejected_signs"] = samples[K.REJECTED_SAFETY_SIGN][0::2].to(scores.dtype)
     return inputs
+
+
+class PairDataset(PromptDataset):
+    """Endless fixed-size pair batches (module docstring) over the train pairs, epoch after
+    epoch, shuffled and resumable exactly as ``PromptDataset`` serves prompts; every pair is
+    tokenized and checked against both length limits up front, so a bad row stops the run
+    before its first iteration."""
+
+    unit = "pairs"
+
+    def __init__(
+        self,
+        rows: Sequence[dict],
+        tokenizer: PreTrainedTokenizerBase,
+        max_prompt_length: int,
+        max_response_length: int,
+        pairs_per_iteration: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        system_prompt: str | None = None,
+    ) -> None:
+        self.max_response_length = max_response_length
+        super().__init__(rows, tokenizer, max_prompt_length, pairs_per_iteration, shuffle, seed, system_prompt)
+
+    def _encode(self, rows, tokenizer, max_prompt_length, system_prompt) -> list[EncodedPair]:
+        return encode_pairs(rows, tokenizer, max_prompt_length, self.max_response_length, system_prompt)
+
+    def _batch(self, rows, encoded, uid_start) -> TensorDict:
+        return pairs_to_batch(rows, encoded, self._pad_id, uid_start)
