@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from hybridflow.algos import PAIR_LOSSES, bradley_terry_loss, pairwise_metrics, safe_rlhf_cost_loss
+from hybridflow.algos import PAIR_LOSSES, RunningMoments, bradley_terry_loss, pairwise_metrics, safe_rlhf_cost_loss
 
 F64 = torch.float64
 L_2, L_0, L_1, L_HALF, L_3 = 0.1269280, 0.6931472, 0.3132617, 0.4740770, 0.0485874
@@ -124,3 +124,44 @@ def test_pairwise_metrics_hand_computed_and_over_ranks():
     other = sums(chosen[2:], rejected[2:])
     assert pairwise_metrics(chosen[:2], rejected[:2], reduce_sum=lambda s: s + other) == pytest.approx(expected)
     assert pairwise_metrics(t([]), t([])) == {name: 0.0 for name in expected}
+
+
+# -- score normalisation --------------------------------------------------------------------
+
+
+def test_running_moments_hand_computed():
+    moments = RunningMoments()
+    assert moments.std == 1.0
+    moments.update(t([1.0, 2.0, 3.0]))
+    moments.update(t([4.0, 5.0]))
+    # mean 3; squared deviations 4, 1, 0, 1, 4 -> unbiased variance 10 / 4 = 2.5
+    assert moments.count == 5 and moments.mean == pytest.approx(3.0)
+    assert moments.std == pytest.approx(2.5 ** 0.5)
+    close(moments.normalize(t([4.0, 3.0])), [1 / 2.5 ** 0.5, 0.0])
+    assert moments.normalize(torch.tensor([4.0])).dtype == torch.float32
+
+
+def test_running_moments_equal_the_concatenation_however_cut_and_spread():
+    values = torch.randn(37, generator=torch.Generator().manual_seed(0), dtype=F64) * 3 + 5
+    moments = RunningMoments()
+    for chunk in values.split([1, 10, 0, 26]):
+        moments.update(chunk)
+    assert moments.mean == pytest.approx(float(values.mean()))
+    assert moments.std == pytest.approx(float(values.std()))
+
+    # two ranks holding halves of one batch: each rank's sums plus the other's
+    left, right = values[:20], values[20:]
+    calls = iter([torch.stack([t(17.0), right.sum()]), None])
+    mean = float(values.mean())
+
+    def reduce_sum(sums):
+        other = next(calls)
+        return sums + (other if other is not None else (right - mean).square().sum())
+
+    spread = RunningMoments()
+    spread.update(left, reduce_sum)
+    assert spread.count == 37 and spread.std == pytest.approx(float(values.std()))
+
+    restored = RunningMoments()
+    restored.load_state_dict(moments.state_dict())
+    assert restored.state_dict() == moments.state_dict()

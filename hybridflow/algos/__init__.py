@@ -44,6 +44,7 @@ from hybridflow.algos.preference import (
     pairwise_metrics,
     safe_rlhf_cost_loss,
 )
+from hybridflow.algos.running_moments import RunningMoments
 from hybridflow.algos.rollout_correction import (
     IS_LEVELS,
     Correction,
@@ -86,6 +87,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGGS",
     "PAIR_LOSSES",
+    "RunningMoments",
     "bradley_terry_loss",
     "pairwise_metrics",
     "safe_rlhf_cost_loss",
