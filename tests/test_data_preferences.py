@@ -106,6 +106,11 @@ def test_pku_saferlhf_rows_give_reward_and_cost_pairs(tmp_path):
     assert batch[K.CHOSEN_SAFETY_SIGN].tolist() == [1.0, -1.0]  # +1 unsafe, -1 safe
     assert batch[K.REJECTED_SAFETY_SIGN].tolist() == [-1.0, -1.0]
 
+    # one parquet file of both formats: each row gets every column, None where it has none
+    mixed = tmp_path / "mixed.parquet"
+    datasets.Dataset.from_list([pku(), {"prompt": "ab=", "chosen": "ab", "rejected": "b"}]).to_parquet(str(mixed))
+    assert [(r["chosen_field"], r["chosen"]) for r in read_pairs(str(mixed))] == [("response_0", "abc"), ("chosen", "ab")]
+
 
 TRL_GOOD = {"prompt": "abc=", "chosen": "abc", "rejected": "abd"}
 ROBOT = [{"role": "robot", "content": "x"}]

@@ -73,7 +73,6 @@ from hybridflow.data.tokenizer import is_char_tokenizer
 PairKind = Literal["reward", "cost"]
 PAIR_KINDS: tuple[str, ...] = ("reward", "cost")
 
-TRL_FIELDS = ("prompt", "chosen", "rejected")
 PKU_REWARD_FIELDS = ("prompt", "response_0", "response_1", "better_response_id")
 PKU_COST_FIELDS = ("prompt", "response_0", "response_1", "safer_response_id", "is_response_0_safe",
                    "is_response_1_safe")
@@ -120,8 +119,9 @@ def load_pair_data(data, graph_file: str | Path | None, kind: PairKind = "reward
 
 def pair_row(obj: dict, where: str, field: str, kind: PairKind = "reward") -> dict:
     """One checked pair row (module docstring) of a TRL/OpenRLHF or PKU-SafeRLHF record."""
-    is_trl = "chosen" in obj or "rejected" in obj
-    if not is_trl and not any(name in obj for name in _PKU_MARKERS):
+    # "is not None": parquet gives a row every column of its file, None where it has none
+    is_trl = obj.get("chosen") is not None or obj.get("rejected") is not None
+    if not is_trl and all(obj.get(name) is None for name in _PKU_MARKERS):
         raise DataError(
             f"{where}: chosen: missing; expected a preference row, {{prompt, chosen, rejected}} or "
             f"PKU-SafeRLHF's {{prompt, response_0, response_1, better_response_id, ...}} "
