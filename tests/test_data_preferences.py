@@ -108,7 +108,9 @@ def test_pku_saferlhf_rows_give_reward_and_cost_pairs(tmp_path):
 
     # one parquet file of both formats: each row gets every column, None where it has none
     mixed = tmp_path / "mixed.parquet"
-    datasets.Dataset.from_list([pku(), {"prompt": "ab=", "chosen": "ab", "rejected": "b"}]).to_parquet(str(mixed))
+    both = [pku(), {"prompt": "ab=", "chosen": "ab", "rejected": "b"}]
+    columns = {name: [row.get(name) for row in both] for name in {**both[0], **both[1]}}
+    datasets.Dataset.from_dict(columns).to_parquet(str(mixed))
     assert [(r["chosen_field"], r["chosen"]) for r in read_pairs(str(mixed))] == [("response_0", "abc"), ("chosen", "ab")]
 
 
