@@ -243,7 +243,7 @@ def _read_jsonl(path: str, field: str) -> tuple[list[dict], list[str]]:
 
 
 def check_messages(messages: list, where: str, field: str, name: str) -> list[dict]:
-    """A non-empty list of chat messages as plain ``{role, content}`` dicts; ``DataError``
+    """Chat messages as plain ``{role, content}`` dicts; ``DataError``
     naming ``name[i]`` and its role or content when one is not such a message."""
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
