@@ -113,3 +113,23 @@ def test_runs_as_a_module(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert len(read_jsonl(tmp_path / "v.jsonl")) == 4
+
+
+def test_pairs_from_samples_rank_disjoint_widest_first_and_drop_ties():
+    from hybridflow.data.preference_pairs import pairs_from_samples
+
+    responses = ["abc", "abd", "abc", "xyz", "ab", "", "abe"]
+    scores = [1.0, 0.67, 0.9, 0.0, 0.67, 0.5, 0.67]
+    rows = pairs_from_samples("abc=", responses, scores)
+    # unique non-empty: abc 1.0, abd .67, xyz 0, ab .67, abe .67 -> ranked abc, abd, ab, abe, xyz
+    assert [(r["chosen"], r["rejected"]) for r in rows] == [("abc", "xyz")]  # abd vs abe: a tie
+    assert rows[0]["chosen_score"] == 1.0 and rows[0]["rejected_score"] == 0.0
+    rows = pairs_from_samples([{"role": "user", "content": "q"}], ["a", "b", "c", "d"], [4, 3, 2, 1], max_pairs=5)
+    assert [(r["chosen"], r["rejected"]) for r in rows] == [("a", "d"), ("b", "c")]
+    assert rows[0]["prompt"] == [{"role": "user", "content": "q"}]
+    assert pairs_from_samples(rows[0]["prompt"], ["a", "b", "c", "d"], [4, 3, 2, 1], max_pairs=1) == rows[:1]
+    assert pairs_from_samples("p", ["a", "a"], [1.0, 0.0]) == []
+    # the reader takes the rows, score fields and all
+    from hybridflow.data.preferences import pair_row
+
+    assert pair_row(rows[1], "row", "data.train_files")["rejected"] == "c"

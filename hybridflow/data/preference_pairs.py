@@ -162,6 +162,33 @@ def cost_rows(task: Task, prompts: list[dict], pairs_per_prompt: int, rng: rando
     return rows
 
 
+def pairs_from_samples(
+    prompt: str | list[dict], responses: list[str], scores: list[float], max_pairs: int | None = None
+) -> list[dict]:
+    """``{prompt, chosen, rejected, chosen_score, rejected_score}`` rows from one prompt's
+    sampled responses ranked by their scores (``hybridflow eval --pairs-out``).
+
+    Repeated responses count once (the first one's score); then the best is paired with the
+    worst, the second best with the second worst, and so on: disjoint pairs, the widest score
+    gaps first, a tie dropped. At most ``max_pairs`` (None: all). ``prompt`` is written as the
+    data row gave it, so the pairs file renders the same way.
+    """
+    assert len(responses) == len(scores), "one score per response"
+    first: dict[str, float] = {}
+    for response, score in zip(responses, scores):
+        if response.strip():  # an empty response is no pair member a reader accepts
+            first.setdefault(response, float(score))
+    ranked = sorted(first.items(), key=lambda item: item[1], reverse=True)
+    rows = []
+    for i in range(len(ranked) // 2):
+        (chosen, high), (rejected, low) = ranked[i], ranked[len(ranked) - 1 - i]
+        if high == low:
+            break  # every pair further in is a tie too
+        rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected,
+                     "chosen_score": high, "rejected_score": low})
+    return rows[:max_pairs]
+
+
 def make_pairs(task_name: str, kind: str, num_train: int, num_val: int, pairs_per_prompt: int,
                seed: int) -> tuple[list[dict], list[dict]]:
     """Train and held-out rows from ``num_train`` and ``num_val`` disjoint prompts of the task."""
