@@ -262,3 +262,20 @@ def test_pair_dataset_serves_fixed_size_batches_and_resumes(tmp_path):
         PairDataset(too_long, COPY, max_prompt_length=8, max_response_length=6, pairs_per_iteration=1)
     with pytest.raises(DataError, match="no training pairs"):
         PairDataset([], COPY, max_prompt_length=8, max_response_length=6, pairs_per_iteration=1)
+
+
+def test_a_json_array_file_reads_like_json_lines(tmp_path):
+    rows = [TRL_GOOD, {**TRL_GOOD, "chosen": "a", "margin": 1}]
+    path = tmp_path / "pairs.json"
+    path.write_text(json.dumps(rows, indent=2))
+    read = read_pairs(str(path))
+    assert [(r["chosen"], r["margin"], r["origin"]) for r in read] == [("abc", 0.0, f"{path}:row 0"), ("a", 1.0, f"{path}:row 1")]
+    path.write_text(json.dumps([TRL_GOOD, {**TRL_GOOD, "rejected": "abc"}]))
+    with pytest.raises(DataError, match=r"pairs.json:row 1: rejected: the same as chosen"):
+        read_pairs(str(path))
+    path.write_text('[\n{"prompt": "a=",\n "chosen": }]')
+    with pytest.raises(DataError, match=r"pairs.json:3: expected valid JSON"):
+        read_pairs(str(path))
+    path.write_text('[["a"]]')
+    with pytest.raises(DataError, match=r"pairs.json:row 0: expected a JSON object"):
+        read_pairs(str(path))

@@ -167,7 +167,7 @@ def read_rows(path: str, field: str = "data.train_files") -> list[dict]:
 
 
 def read_records(path: str, field: str = "data.train_files") -> tuple[list[dict], list[str]]:
-    """The raw records of one parquet or JSONL file (at least one), read with HF ``datasets``,
+    """The raw records of one parquet, JSONL or JSON file (at least one), read with HF ``datasets``,
     and where each came from (``FILE:LINE`` or ``FILE:row N``); no check of their fields."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such data file ({field})", field)
@@ -201,7 +201,8 @@ def _read_with_datasets(path: str, kind: str, field: str) -> list[dict]:
 
 
 def _read_jsonl(path: str, field: str) -> tuple[list[dict], list[str]]:
-    """JSONL rows and their ``FILE:LINE`` origins. Read with ``datasets``; where pyarrow
+    """JSONL rows and their ``FILE:LINE`` origins (a ``.json`` file may instead hold one array
+    of rows: ``FILE:row N``). Read with ``datasets``; where pyarrow
     cannot (a broken line, or a column whose type changes between rows), each line is parsed
     on its own, so a bad line is named and mixed types still load."""
     try:
@@ -217,16 +218,20 @@ def _read_jsonl(path: str, field: str) -> tuple[list[dict], list[str]]:
         raise DataError(
             f"{path}:{line}: invalid UTF-8 at byte {column} of the line ({e.reason}); expected UTF-8 text", field
         ) from None
-    numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
-    wheres = [f"{path}:{n}" for n, _ in numbered]
-    parsed = []
-    for n, line in numbered:
-        try:
-            parsed.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{n}: expected valid JSON ({e.msg} at column {e.colno})", field) from None
-        if not isinstance(parsed[-1], dict):
-            raise DataError(f"{path}:{n}: expected a JSON object", field)
+    text = "\n".join(lines)
+    if path.endswith(".json") and text.lstrip().startswith("["):
+        parsed, wheres = _parse_json_array(text, path, field)
+    else:
+        numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
+        wheres = [f"{path}:{n}" for n, _ in numbered]
+        parsed = []
+        for n, line in numbered:
+            try:
+                parsed.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: expected valid JSON ({e.msg} at column {e.colno})", field) from None
+            if not isinstance(parsed[-1], dict):
+                raise DataError(f"{path}:{n}: expected a JSON object", field)
     if not parsed:
         return [], []
     try:
@@ -240,6 +245,19 @@ def _read_jsonl(path: str, field: str) -> tuple[list[dict], list[str]]:
         rows = parsed
     # pyarrow fills a key missing from a row with None; the plain parse says what was written.
     return [{k: v for k, v in row.items() if k in own} for row, own in zip(rows, parsed)], wheres
+
+
+def _parse_json_array(text: str, path: str, field: str) -> tuple[list[dict], list[str]]:
+    """The rows of a ``.json`` file holding one array of objects (as many data sets are
+    downloaded), each named ``FILE:row N`` (0-based) like a parquet row."""
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: expected valid JSON ({e.msg} at column {e.colno})", field) from None
+    for i, row in enumerate(parsed):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:row {i}: expected a JSON object", field)
+    return parsed, [f"{path}:row {i}" for i in range(len(parsed))]
 
 
 def check_messages(messages: list, where: str, field: str, name: str) -> list[dict]:
