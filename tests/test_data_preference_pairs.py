@@ -48,7 +48,8 @@ def test_reward_pairs_rank_by_the_rule_with_disjoint_held_out_prompts(tmp_path, 
 
 def test_cost_rows_are_pku_saferlhf_rows_labelled_by_letter_cost(tmp_path):
     out, val_out = tmp_path / "cost.parquet", tmp_path / "cost_val.jsonl"
-    main(["--kind", "cost", "--out", str(out), "--val-out", str(val_out), "--num-train", "50", "--num-val", "10"])
+    main(["--kind", "cost", "--out", str(out), "--val-out", str(val_out), "--num-train", "50", "--num-val", "10",
+          "--pairs-per-prompt", "2"])
     val = read_jsonl(val_out)
     reward_rows, cost_pairs = read_pairs(str(out), "reward"), read_pairs(str(out), "cost")
     assert len(reward_rows) == len(cost_pairs) == 100 and len(val) == 20
@@ -112,7 +113,7 @@ def test_runs_as_a_module(tmp_path):
         capture_output=True, text=True, cwd=ROOT, timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    assert len(read_jsonl(tmp_path / "v.jsonl")) == 4
+    assert len(read_jsonl(tmp_path / "v.jsonl")) == 2  # one pair per prompt by default
 
 
 def test_pairs_from_samples_rank_disjoint_widest_first_and_drop_ties():

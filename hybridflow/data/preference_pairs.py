@@ -8,10 +8,11 @@ The task's first ``--num-train`` distinct prompts (from ``--seed``) give the tra
 next ``--num-val`` the held-out ones, so no held-out prompt is seen in training.
 
 - ``--kind reward``: ``{prompt, chosen, rejected}`` rows. Each prompt's first pair is the
-  correct answer against a corrupted one; the others are two sampled responses (corruptions of
-  the answer, or random strings, as an untrained policy writes) whose rule scores differ, the
-  higher-scoring one chosen: a reward model must rank imperfect responses too, since the policy
-  it scores writes mostly those.
+  correct answer against a corrupted one; further pairs (``--pairs-per-prompt``) are two
+  sampled responses (corruptions of the answer, or random strings, as an untrained policy
+  writes) whose rule scores differ, the higher-scoring one chosen. One pair per prompt is the
+  default: a tiny model learns the copy check much faster from correct-against-corrupted
+  pairs, and ranking two imperfect responses is the harder thing to ask of it.
 - ``--kind cost``: PKU-SafeRLHF rows labelled by ``letter_cost`` (a response is unsafe when it
   holds the letter ``a``), ``better_response_id`` by the task's reward. Every pair has one safe
   and one unsafe response and two different rewards, so both ids are defined; the first pair of
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-out", required=True, help="held-out pairs, from prompts disjoint from the train ones")
     parser.add_argument("--num-train", type=int, default=1000, help="train prompts")
     parser.add_argument("--num-val", type=int, default=200, help="held-out prompts")
-    parser.add_argument("--pairs-per-prompt", type=int, default=2)
+    parser.add_argument("--pairs-per-prompt", type=int, default=1,
+                        help="the first against the correct answer, the others between two sampled responses")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for name in ("num_train", "num_val", "pairs_per_prompt"):
