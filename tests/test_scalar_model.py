@@ -14,7 +14,8 @@ from hybridflow.data.tasks import get_task
 from hybridflow.engines.models import build_value_model, tiny_qwen2_config
 from hybridflow.engines.scalar_model import save_scalar_model
 from hybridflow.engines.torch_engine import TorchTrainEngine
-from hybridflow.spec.graph import ModelSource, TrainEngineSpec
+from hybridflow.spec.engines import TorchTrainSpec
+from hybridflow.spec.graph import ModelSource
 
 TINY = {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
         "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -42,7 +43,7 @@ def _batch(tokenizer):
 
 
 def _engine_scores(model, batch):
-    engine = TorchTrainEngine(model, TrainEngineSpec(micro_batch_size=3), kind="value")
+    engine = TorchTrainEngine(model, TorchTrainSpec(micro_batch_size=3), kind="value")
     return engine, engine.forward(batch)["last_values"]
 
 
@@ -154,7 +155,7 @@ def test_pairwise_training_through_the_engine_then_plain_transformers_agrees(tok
     batch = pair_forward_batch(collate_pairs(rows, tokenizer, max_prompt_length=8, max_response_length=8))
     model = build_value_model(ModelSource(config=TINY), len(tokenizer), tokenizer.pad_token_id,
                               tokenizer.eos_token_id, seed=0)
-    engine = TorchTrainEngine(model, TrainEngineSpec(micro_batch_size=8, optim={"lr": 1e-2}), kind="value")
+    engine = TorchTrainEngine(model, TorchTrainSpec(micro_batch_size=8, optim={"lr": 1e-2}), kind="value")
     loss = PAIR_LOSSES.get("bradley_terry" if kind == "reward" else "safe_rlhf_cost")
 
     def loss_fn(micro_batch, forward):  # micro-batches of 4 pairs; the mean is over all 16
