@@ -45,7 +45,7 @@ import torch
 
 from hybridflow.controller.recovery import RunStopped
 from hybridflow.spec.loading import SpecError
-from hybridflow.workers.model_worker import NonFiniteWeightError
+from hybridflow.workers.errors import NonFiniteWeightError
 
 if TYPE_CHECKING:
     from hybridflow.controller.run_dir import RunDir
