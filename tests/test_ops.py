@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from pydantic import Field
 from tensordict import TensorDict
 
 from hybridflow.data import keys as K
-from hybridflow.graph.dag import Node
+from hybridflow.graph.dag import Node, load_graph
 from hybridflow.graph.library import grpo, ppo
 from hybridflow.graph.ops import OPS, Op, graph_keys, register_op, unregister_op
 from hybridflow.spec.graph import GraphSpec, Spec, node_types
@@ -20,17 +21,51 @@ from hybridflow.workers.sharded import ShardedRef
 # -- the built-in records ------------------------------------------------------------------------
 
 
-def test_each_record_is_its_node_model_and_its_worker_method():
-    from hybridflow.workers.model_worker import ModelWorker
-
+def test_each_record_is_its_node_model_and_its_body():
     nodes = node_types()
     assert set(nodes) == set(OPS)
     for name, op in OPS.items():
         assert nodes[name].model_fields["options"].annotation is op.options, name
         for role in op.roles:
-            assert callable(getattr(ModelWorker, op.method_for(role))), (name, role)
+            assert op.body_for(role).startswith("hybridflow.workers.ops."), (name, role)
+            assert callable(op.load_body(role)), (name, role)
             for slot in op.slots_for(role).values():
                 assert set(slot.keys) <= set(graph_keys()), (name, slot)
+
+
+def test_no_node_class_is_written_by_hand_in_the_spec():
+    """Every op's node model is generated from its record, the built-in ones included."""
+    import ast
+    from pathlib import Path
+
+    import hybridflow.spec
+
+    for path in Path(hybridflow.spec.__file__).parent.glob("*.py"):
+        classes = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)]
+        assert [c.name for c in classes if any(getattr(b, "id", "") == "NodeBase" for b in c.bases)] == [], path
+    for name, cls in node_types().items():
+        assert cls.__doc__ == f"A node of op {name!r}." and cls.model_fields["op"].annotation.__args__ == (name,)
+
+
+def test_records_flag_what_the_code_asks_about():
+    flagged = {flag: {name for name, op in OPS.items() if getattr(op, flag)}
+               for flag in ("generates", "multi_turn", "trains", "scores", "forward", "refills", "text")}
+    assert flagged == {
+        "generates": {"generate", "multi_turn_generate"},
+        "multi_turn": {"multi_turn_generate"},
+        "trains": {"update"},
+        "scores": {"score"},
+        "forward": {"log_prob", "values", "score"},
+        "refills": {"filter"},
+        "text": {"generate", "multi_turn_generate", "score", "filter"},
+    }
+
+
+def test_a_body_that_is_not_module_function_is_refused_at_registration():
+    with pytest.raises(ValueError, match="body must be 'module:function'"):
+        Op("bad", roles=frozenset({"actor"}), options=Spec, body="no_colon")
+    with pytest.raises(ValueError, match="a body per role needs one for each"):
+        Op("bad", roles=frozenset({"actor", "critic"}), options=Spec, body={"actor": "m:f"})
 
 
 def test_graph_keys_are_the_fields_their_producers_write():
@@ -66,7 +101,7 @@ def test_validation_fills_the_slots_the_worker_reads():
     graph = grpo().build()
     assert graph.node("advantage").slots == {"score": "scores", "values": None, "advantages": "advantages"}
     assert graph.node("update_actor").slots == {}  # the critic's update has values/advantages slots
-    assert graph.op(graph.node("update_actor")).method_for("actor") == "update_policy"
+    assert graph.op(graph.node("update_actor")).body_for("actor") == "hybridflow.workers.ops.update:update_policy"
     assert set(graph.ops) == {"generate", "log_prob", "score", "advantage", "update"}
 
 
@@ -77,11 +112,18 @@ class LengthBonusOptions(Spec):
     scale: float = Field(1.0, description="Bonus per response token.")
 
 
+def length_bonus(ctx, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
+    lengths = batch[K.RESPONSE_MASK].sum(-1).float()
+    bonus = node.spec.options.scale * lengths
+    out = TensorDict({node.outputs[0]: bonus}, batch_size=batch.batch_size)
+    return out, {"metrics": {"bonus/mean": float(bonus.mean())}}
+
+
 LENGTH_BONUS = Op(
     "length_bonus",
     roles=frozenset({"reward"}),
     options=LengthBonusOptions,
-    method="length_bonus",
+    body=f"{__name__}:length_bonus",
     inputs={"*": ("responses",)},
     outputs={"*": ("bonus",)},
     writes={"bonus": ("bonus",)},
@@ -108,40 +150,60 @@ def test_a_registered_op_is_validated_like_a_built_in_one(length_bonus_op):
     assert "length_bonus" in str(GraphSpec.model_json_schema())
 
 
-def _worker_with_length_bonus():
-    from hybridflow.workers.model_worker import ModelWorker
+PLUGINS = Path(__file__).resolve().parent / "plugins"  # a user's ops, outside hybridflow/
+PLUGIN_GRAPH = PLUGINS / "grpo_length_bonus.yaml"
 
-    class LengthBonusWorker(ModelWorker):
-        def length_bonus(self, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
-            lengths = batch[K.RESPONSE_MASK].sum(-1).float()
-            bonus = node.spec.options.scale * lengths
-            out = TensorDict({node.outputs[0]: bonus}, batch_size=batch.batch_size)
-            return out, {"metrics": {"bonus/mean": float(bonus.mean())}}
 
-    return LengthBonusWorker
+@pytest.fixture
+def plugin_op():
+    """The plugin's op is registered by loading its graph; forgotten afterwards, so that the
+    other tests see the built-in ops only."""
+    yield PLUGIN_GRAPH
+    if "length_bonus" in OPS:
+        unregister_op("length_bonus")
+    sys.modules.pop("length_bonus", None)
+
+
+def test_a_graph_file_names_its_plugins_and_their_ops_validate(plugin_op):
+    graph = load_graph(plugin_op)
+    node = graph.node("bonus")
+    assert graph.op(node).body_for("reward") == "length_bonus:length_bonus"
+    assert node.outputs == ("bonus",) and node.spec.options.scale == 0.5
+    assert graph.plugin_dir == str(PLUGINS)
+    with pytest.raises(SpecError, match=r"grpo_length_bonus.yaml: plugins\[0\]: cannot import module 'no_such_plugin'"):
+        load_graph(plugin_op, ["plugins=[no_such_plugin]"])
+
+
+def test_a_graph_with_plugins_imports_them_when_it_is_unpickled(plugin_op):
+    """A worker process gets the graph pickled: the plugin must be imported there before its
+    nodes' classes are looked up."""
+    import pickle
+
+    graph = load_graph(plugin_op)
+    data = pickle.dumps(graph)
+    unregister_op("length_bonus")
+    del sys.modules["length_bonus"]
+    copy = pickle.loads(data)
+    assert "length_bonus" in OPS and copy.node("bonus").spec.options.scale == 0.5
 
 
 @pytest.mark.slow
-def test_a_new_op_defined_in_one_module_runs_in_a_graph_on_ray(ray_session, tmp_path, length_bonus_op):
-    from ray import cloudpickle
-
+def test_a_new_op_defined_in_one_module_runs_in_a_graph_on_ray(ray_session, tmp_path, plugin_op):
     from hybridflow.controller.executor import run_nodes
     from hybridflow.data.datasets import collate_prompts
     from hybridflow.data.tasks import get_task
     from hybridflow.placement.pools import ResourcePool
     from hybridflow.workers.group import WorkerGroup
+    from hybridflow.workers.model_worker import ModelWorker
 
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import tests/
-    graph = grpo(n=2).data(prompts_per_iteration=4).node(
-        "bonus", "length_bonus", model="reward", inputs=["responses"], outputs=["bonus"], scale=0.5
-    ).build()
+    graph = load_graph(plugin_op, ["models.actor.rollout.n=2"])  # the workers import the plugin too
     task = get_task("copy")
     tokenizer = task.tokenizer()
     tokenizer.save_pretrained(tmp_path / "tokenizer")
     pool = ResourcePool("default", graph.pools["default"])
     pool.create()
     group = WorkerGroup(
-        _worker_with_length_bonus(),
+        ModelWorker,
         pool,
         init_kwargs={
             "graph": graph,

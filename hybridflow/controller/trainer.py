@@ -89,8 +89,11 @@ class Trainer:
     ``extra_state`` maps names to objects with ``state_dict()``/``load_state_dict()`` that the
     controller keeps across iterations (a KL controller, a Lagrange multiplier); they are
     checkpointed and restored with the run. (Workers have the same hook:
-    ``ModelWorker.extra_state``.)
+    ``WorkerContext.extra_state``.) ``worker_cls``: the worker host class every pool runs
+    (tests install a subclass with fault hooks).
     """
+
+    worker_cls: type[ModelWorker] = ModelWorker
 
     def __init__(
         self,
@@ -263,7 +266,7 @@ class Trainer:
         for pool in self.pools:
             pool_name = pool.name
             self.groups[pool_name] = WorkerGroup(
-                ModelWorker,
+                self.worker_cls,
                 pool,
                 init_kwargs={
                     "graph": self.graph,

@@ -6,8 +6,9 @@ a one-line ``SpecError`` naming the file and the field. It imports no Ray, vLLM 
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import networkx as nx
@@ -15,9 +16,10 @@ import networkx as nx
 from hybridflow.algos.advantages import zero_without_groups
 from hybridflow.graph.batching import batch_plan
 from hybridflow.graph.ops import OPS, SOURCE_WRITES, Op
+from hybridflow.graph.plugins import import_plugins, load_graph_spec, plugin_dir
 from hybridflow.spec.graph import AdvantageOptions, GraphSpec, ModelSpec, NodeBase
 from hybridflow.spec.layout import ParallelLayout
-from hybridflow.spec.loading import SpecError, load_graph_spec, load_pools, resolve_relative
+from hybridflow.spec.loading import SpecError, load_pools, resolve_relative
 from hybridflow.spec.pool import PoolSpec
 
 SOURCE = "<data>"  # pseudo-node that produces the data source's keys (``ops.SOURCE_WRITES``)
@@ -53,6 +55,15 @@ class Graph:
     # model name -> the pool its rollout engine has to itself (``rollout.pool``); empty when
     # every rollout engine shares its model's pool (the hybrid engine)
     rollout_pools: dict[str, str] = field(default_factory=dict)
+    plugin_dir: str = ""  # where the graph file's plugins are looked for first (its folder)
+
+    def __reduce_ex__(self, protocol):
+        """A graph with plugins unpickles (in a worker process) by importing them first, so
+        that its nodes' and ops' classes, defined in the plugins, are found there."""
+        if not self.spec.plugins:
+            return super().__reduce_ex__(protocol)
+        state = pickle.dumps({f.name: getattr(self, f.name) for f in fields(self)}, protocol)
+        return _unpickle_with_plugins, (list(self.spec.plugins), self.plugin_dir, self.file, state)
 
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
@@ -161,6 +172,11 @@ class Graph:
         ):
             return actor
         return None
+
+
+def _unpickle_with_plugins(plugins: list[str], folder: str, file: str, state: bytes) -> "Graph":
+    import_plugins(plugins, folder, file)
+    return Graph(**pickle.loads(state))
 
 
 def _resolve_nodes(spec: GraphSpec, file: str) -> list[Node]:
@@ -557,6 +573,7 @@ def build_graph(
         layouts=layouts,
         ops={op: OPS[op] for op in dict.fromkeys(n.op for n in nodes)},
         rollout_pools=_resolve_rollout_pools(spec, pools, placement, file, str(pool_path)),
+        plugin_dir=plugin_dir(file),
     )
     if planned:
         placement, pools = planner(graph)
@@ -575,5 +592,5 @@ def load_graph(
     pools_file: str | Path | None = None,
     planner: Planner | None = None,
 ) -> Graph:
-    """Read, override and validate a graph file."""
+    """Read, override and validate a graph file (its plugins imported first)."""
     return build_graph(load_graph_spec(path, overrides), path, pools_file, planner)
