@@ -235,3 +235,29 @@ def test_a_new_op_defined_in_one_module_runs_in_a_graph_on_ray(ray_session, tmp_
     assert result.metrics["transfer/put_bytes"] == sum(put.values())
     assert result.metrics["transfer/fetched_bytes"] == sum(e["fetched_bytes"] for e in result.timeline) > 0
 
+
+
+def test_no_code_compares_an_op_name_where_a_record_flag_would_do():
+    """Which models train, which nodes score, which rollouts are multi-turn: the records say
+    (``Op.trains``, ``Op.scores``, ...); only graph/ops.py names ops."""
+    import ast
+
+    import hybridflow
+
+    root = Path(hybridflow.__file__).parent
+    found = []
+    for path in root.rglob("*.py"):
+        if path == root / "graph" / "ops.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            names_op = any(isinstance(s, ast.Attribute) and s.attr == "op" or isinstance(s, ast.Name) and s.id == "op"
+                           for s in sides)
+            strings = any(isinstance(s, ast.Constant) and isinstance(s.value, str)
+                          or isinstance(s, (ast.Tuple, ast.List, ast.Set)) and s.elts
+                          and all(isinstance(e, ast.Constant) for e in s.elts) for s in sides)
+            if names_op and strings:
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert found == []

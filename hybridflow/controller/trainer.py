@@ -329,7 +329,7 @@ class Trainer:
         scorers = [
             n
             for n in self.graph.nodes
-            if n.op == "score" and set(self.graph.producers(n).values()) <= {generate.name, SOURCE}
+            if self.graph.op(n).scores and set(self.graph.producers(n).values()) <= {generate.name, SOURCE}
         ]
         result: IterationResult = run_nodes(self.graph, [greedy, *scorers], self.groups, self._put(self.val_prompts))
         return {
@@ -399,6 +399,6 @@ class Trainer:
         return ShardedRef(refs=[ray.put(batch)], sizes=[batch.batch_size[0]])
 
     def _total_optimizer_steps(self) -> int:
-        updates = [n for n in self.graph.nodes if n.op == "update"]
+        updates = [n for n in self.graph.nodes if self.graph.op(n).trains]
         per_iteration = max((n.spec.options.mini_batches * n.spec.options.epochs for n in updates), default=1)
         return self.spec.trainer.iterations * per_iteration

@@ -17,7 +17,7 @@ from hybridflow.algos.advantages import zero_without_groups
 from hybridflow.graph.batching import batch_plan
 from hybridflow.graph.ops import OPS, SOURCE_WRITES, Op
 from hybridflow.graph.plugins import import_plugins, load_graph_spec, plugin_dir
-from hybridflow.spec.graph import AdvantageOptions, GraphSpec, ModelSpec, NodeBase
+from hybridflow.spec.graph import AdvantageOptions, GraphSpec, ModelSpec, NodeBase, UpdateOptions
 from hybridflow.spec.layout import ParallelLayout
 from hybridflow.spec.loading import SpecError, load_pools, resolve_relative
 from hybridflow.spec.pool import PoolSpec
@@ -114,7 +114,7 @@ class Graph:
         """Whether an update of ``model`` reads every sample's ``rollout_log_probs`` (rollout
         correction, ``old_log_probs: rollout``), beyond the consistency check's sample."""
         return any(
-            node.op == "update" and node.model == model
+            isinstance(node.spec.options, UpdateOptions) and node.model == model
             and (node.spec.options.rollout_correction is not None or node.spec.options.old_log_probs == "rollout")
             for node in self.nodes
         )
@@ -128,7 +128,7 @@ class Graph:
         without the node the update uses exactly that. Leaving it out saves a forward pass."""
         found = {}
         for node in self.nodes:
-            if node.op != "update" or "old_log_probs" not in node.inputs:
+            if not isinstance(node.spec.options, UpdateOptions) or "old_log_probs" not in node.inputs:
                 continue
             options = node.spec.options
             if options.rollout_correction is not None:  # weighs by these log-probs up front
@@ -140,7 +140,7 @@ class Graph:
                 continue
             producer = self.node(source)
             consumers = {dst for _, dst in self.dag.out_edges(producer.name)}
-            if producer.op == "log_prob" and producer.model == node.model and consumers == {node.name}:
+            if self.op(producer).forward and producer.model == node.model and consumers == {node.name}:
                 if options.old_log_probs == "rollout":
                     found[producer.name] = (
                         f"{node.name} takes pi_old from the rollout (options.old_log_probs: "
@@ -525,7 +525,7 @@ def _check_rollout_correction(nodes: list[Node], file: str) -> None:
     """An update with rollout correction weighs by pi_old / pi_rollout: it needs pi_old, the
     ``old_log_probs`` key, among its inputs (``responses`` brings the rollout's)."""
     for i, node in enumerate(nodes):
-        if node.op != "update" or node.role != "actor":
+        if not isinstance(node.spec.options, UpdateOptions) or node.role != "actor":
             continue
         if node.spec.options.rollout_correction is not None and "old_log_probs" not in node.inputs:
             raise SpecError(
