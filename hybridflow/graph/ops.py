@@ -159,7 +159,6 @@ def register_op(op: Op) -> Op:
         f"{title}Node",
         __base__=NodeBase,
         __module__=op.options.__module__,
-        __doc__=f"A node of op {op.name!r}.",
         op=(Literal[op.name], ...),
         options=(op.options, Field(default_factory=op.options)),
     )
