@@ -315,3 +315,22 @@ def test_hybridflow_run_runs_a_plugin_op_and_logs_its_metric(ray_session, tmp_pa
     # scale 0.5 x response length (1..8 tokens), averaged over the ranks
     assert all(0.5 <= r["bonus/mean"] <= 4.0 for r in rows)
     assert all(r["bonus/mean"] == pytest.approx(0.5 * r["response_length/mean"]) for r in rows)
+
+
+# -- the worker is a host ----------------------------------------------------------------------
+
+
+def test_the_worker_host_stays_small_and_has_no_test_hooks():
+    import hybridflow.workers.model_worker as host
+
+    assert len(Path(host.__file__).read_text().splitlines()) <= 250
+    hooks = [name for name in dir(host.ModelWorker) if name.startswith("inject")]
+    assert hooks == []  # tests/fault_hooks.py installs them
+
+
+def test_the_checkpointer_imports_the_error_type_not_the_worker_host():
+    code = ("import sys, hybridflow.controller.checkpoint; "
+            "print('hybridflow.workers.model_worker' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
