@@ -425,11 +425,8 @@ class MultiTurnOptions(Spec):
     )
 
 
-
 class NoOptions(Spec):
     pass
-
-
 
 
 DEFAULT_SCORE_TIMEOUT_S = 30.0  # a rule call slower than this is taken to hang
@@ -480,7 +477,6 @@ class ScoreOptions(Spec):
     )
 
 
-
 def _registered(registry_name: str, name: str) -> str:
     """Fail at load time, with the known names, on an unregistered algorithm name."""
     import hybridflow.algos as algos
@@ -524,7 +520,6 @@ class AdvantageOptions(Spec):
     @classmethod
     def _known_estimator(cls, name: str) -> str:
         return _registered("ADV_ESTIMATORS", name)
-
 
 
 class RolloutCorrectionOptions(Spec):
@@ -662,7 +657,6 @@ class FilterOptions(Spec):
         "is still short after them, the last round's uninformative groups fill it (counted in "
         "filter/filled_groups) so that the batch keeps its size.",
     )
-
 
 
 # op name -> its node model (``op`` literal, ``options``): generated from the op records by
