@@ -334,3 +334,17 @@ def test_the_checkpointer_imports_the_error_type_not_the_worker_host():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_describe_says_what_a_node_without_outputs_does():
+    from hybridflow.graph.render import describe
+
+    try:
+        text = describe(load_graph(ROOT / "examples" / "plugin_op" / "grpo_diversity.yaml"))
+    finally:
+        if "distinct_responses" in OPS:
+            unregister_op("distinct_responses")
+        sys.modules.pop("diversity", None)
+    lines = {line.split()[0]: line for line in text.splitlines()[1:] if line.startswith("  ")}
+    assert "responses -> (metrics only)" in lines["diversity"]
+    assert "-> (update)" in lines["update_actor"]
