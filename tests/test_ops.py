@@ -348,3 +348,16 @@ def test_describe_says_what_a_node_without_outputs_does():
     lines = {line.split()[0]: line for line in text.splitlines()[1:] if line.startswith("  ")}
     assert "responses -> (metrics only)" in lines["diversity"]
     assert "-> (update)" in lines["update_actor"]
+
+
+def test_a_python_graph_names_its_plugins_like_a_file(plugin_op, monkeypatch):
+    import pickle
+
+    monkeypatch.syspath_prepend(str(PLUGINS))  # the Python API finds plugins on PYTHONPATH
+    graph = grpo().plugins("length_bonus").node("bonus", "length_bonus", model="reward", scale=2.0).build()
+    assert graph.spec.plugins == ["length_bonus"] and graph.node("bonus").spec.options.scale == 2.0
+    data = pickle.dumps(graph)
+    unregister_op("length_bonus")  # as in a fresh worker process
+    del sys.modules["length_bonus"]
+    assert pickle.loads(data).node("bonus").spec.options.scale == 2.0
+    assert "length_bonus" in OPS  # imported again where the graph was unpickled
