@@ -44,9 +44,9 @@ def engine_side(args: argparse.Namespace) -> None:
     from hybridflow.data import keys as K
     from hybridflow.engines.torch_engine import TorchTrainEngine
     from hybridflow.hybrid_engine.consistency import ConsistencyStats
+    from hybridflow.algos.actor_loss import policy_loss_fn
     from hybridflow.spec.engines import TorchTrainSpec
     from hybridflow.spec.graph import TINY_QWEN2, UpdateOptions
-    from hybridflow.workers.model_worker import ModelWorker
 
     torch.set_num_threads(1)
     shape = {"hidden_size": args.hidden_size, "num_hidden_layers": args.layers,
@@ -73,7 +73,7 @@ def engine_side(args: argparse.Namespace) -> None:
             **cut, compile=setting.endswith("c"), optim={"lr": 1e-3, "grad_clip": 1.0}))
 
     def step(engine: TorchTrainEngine) -> None:
-        engine.train_step(batch.clone(), ModelWorker._policy_loss(options, ConsistencyStats()))
+        engine.train_step(batch.clone(), policy_loss_fn(options, ConsistencyStats()))
 
     medians = interleaved_medians(
         {setting: (lambda engine=engine: step(engine)) for setting, engine in engines.items()}, args.repeats

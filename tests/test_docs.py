@@ -150,7 +150,7 @@ def _run_dir(command: str) -> str | None:
 def _shrunk_run(command: str) -> tuple:
     """What a `hybridflow run` command runs once shrunk: its resolved graph spec and its options
     other than the run directory."""
-    from hybridflow.spec.loading import load_graph_spec
+    from hybridflow.graph.plugins import load_graph_spec
 
     tokens = shlex.split(shrink(command))
     at = next(i for i, t in enumerate(tokens) if t.endswith("hybridflow")) + 1

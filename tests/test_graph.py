@@ -11,7 +11,8 @@ import yaml
 
 from hybridflow.graph.dag import load_graph
 from hybridflow.graph.library import ALGORITHMS
-from hybridflow.spec.loading import SpecError, apply_overrides, load_graph_spec
+from hybridflow.graph.plugins import load_graph_spec
+from hybridflow.spec.loading import SpecError, apply_overrides
 
 from graph_variants import with_old_log_prob
 

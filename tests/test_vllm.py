@@ -460,8 +460,9 @@ def _rows(run_dir) -> list[dict]:
 def test_stale_weights_stop_the_run(ray_session, tmp_path):
     """Weight syncs skipped from iteration 2 on: iteration 3 generates from iteration-1 weights and
     its update's consistency check stops the run with one clear line."""
+    from fault_hooks import FaultyTrainer
+
     from hybridflow.controller.recovery import RunStopped
-    from hybridflow.controller.trainer import Trainer
     from hybridflow.graph.dag import load_graph
 
     overrides = [
@@ -469,7 +470,7 @@ def test_stale_weights_stop_the_run(ray_session, tmp_path):
         "data.prompts_per_iteration=4", "models.actor.rollout.n=4",
         "models.actor.rollout.log_prob_tolerance=0.001",
     ]
-    trainer = Trainer(load_graph(GRPO, overrides), run_dir=str(tmp_path / "run"))
+    trainer = FaultyTrainer(load_graph(GRPO, overrides), run_dir=str(tmp_path / "run"))
 
     def stale_after_first(t, iteration, metrics):
         if iteration == 1:

@@ -137,7 +137,7 @@ def evaluate(
     spec = graph.spec
     actor_name = graph.actor
     actor_spec = spec.models[actor_name]
-    score_node = next((n for n in graph.nodes if n.op == "score"), None)
+    score_node = next((n for n in graph.nodes if graph.op(n).scores), None)
     if score_node is None:
         raise SpecError(graph.file, "nodes", "eval needs a score node to grade responses")
     reward_spec = spec.models[score_node.model]

@@ -133,7 +133,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from hybridflow.graph.dag import build_graph
     from hybridflow.placement.automapper import plan_dp, plan_even_batch
-    from hybridflow.spec.loading import load_graph_spec
+    from hybridflow.graph.plugins import load_graph_spec
 
     # The batch is checked against the plan's layouts, not the whole pool's: plan_even_batch.
     spec = load_graph_spec(args.graph, args.overrides)

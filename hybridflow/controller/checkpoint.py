@@ -45,7 +45,7 @@ import torch
 
 from hybridflow.controller.recovery import RunStopped
 from hybridflow.spec.loading import SpecError
-from hybridflow.workers.model_worker import NonFiniteWeightError
+from hybridflow.workers.errors import NonFiniteWeightError
 
 if TYPE_CHECKING:
     from hybridflow.controller.run_dir import RunDir
@@ -255,7 +255,7 @@ class Checkpointer:
 
     def _meta(self) -> dict:
         graph = self.graph
-        trained = dict.fromkeys(n.model for n in graph.nodes if n.op == "update")
+        trained = dict.fromkeys(n.model for n in graph.nodes if graph.op(n).trains)
         return {
             "pools": {name: graph.pools[name].num_devices for name in dict.fromkeys(graph.placement.values())},
             "layouts": {m: layout.model_dump(include={"tp", "pp", "dp"}) for m, layout in graph.layouts.items()},

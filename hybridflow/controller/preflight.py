@@ -114,7 +114,7 @@ def check_environments(graph: Graph, tokenizer) -> None:
     from hybridflow.envs.base import env_factory
 
     for i, node in enumerate(graph.spec.nodes):
-        if node.op != "multi_turn_generate":
+        if not graph.ops[node.op].multi_turn:
             continue
         opts = node.options
         try:

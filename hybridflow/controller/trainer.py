@@ -93,8 +93,11 @@ class Trainer:
     ``extra_state`` maps names to objects with ``state_dict()``/``load_state_dict()`` that the
     controller keeps across iterations (a KL controller, a Lagrange multiplier); they are
     checkpointed and restored with the run. (Workers have the same hook:
-    ``ModelWorker.extra_state``.)
+    ``WorkerContext.extra_state``.) ``worker_cls``: the worker host class every pool runs
+    (tests install a subclass with fault hooks).
     """
+
+    worker_cls: type[ModelWorker] = ModelWorker
 
     def __init__(
         self,
@@ -275,7 +278,7 @@ class Trainer:
         for pool in self.pools:
             pool_name = pool.name
             self.groups[pool_name] = WorkerGroup(
-                ModelWorker,
+                self.worker_cls,
                 pool,
                 init_kwargs={
                     "graph": self.graph,
@@ -338,7 +341,7 @@ class Trainer:
         scorers = [
             n
             for n in self.graph.nodes
-            if n.op == "score" and set(self.graph.producers(n).values()) <= {generate.name, SOURCE}
+            if self.graph.op(n).scores and set(self.graph.producers(n).values()) <= {generate.name, SOURCE}
         ]
         result: IterationResult = run_nodes(self.graph, [greedy, *scorers], self.groups, self._put(self.val_prompts))
         return {
@@ -408,6 +411,6 @@ class Trainer:
         return ShardedRef.put(batch)
 
     def _total_optimizer_steps(self) -> int:
-        updates = [n for n in self.graph.nodes if n.op == "update"]
+        updates = [n for n in self.graph.nodes if self.graph.op(n).trains]
         per_iteration = max((n.spec.options.mini_batches * n.spec.options.epochs for n in updates), default=1)
         return self.spec.trainer.iterations * per_iteration

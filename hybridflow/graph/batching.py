@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hybridflow.spec.graph import GraphSpec
+from hybridflow.spec.graph import GraphSpec, UpdateOptions
 from hybridflow.spec.layout import ParallelLayout
 from hybridflow.spec.loading import SpecError
 
@@ -93,7 +93,7 @@ def _batch_problem(spec: GraphSpec, prompts: int, dp_of: Mapping[str, int]) -> t
                 f"{model!r}; use a multiple of {dp}"
             )
     for i, node in enumerate(spec.nodes):
-        if node.op != "update":
+        if not isinstance(node.options, UpdateOptions):  # its mini-batches split the batch
             continue
         dp = dp_of[node.model]
         per_rank = prompts * n // dp
@@ -126,7 +126,7 @@ def batch_plan(spec: GraphSpec, layouts: dict[str, ParallelLayout], file: str) -
     n = rollout.n if rollout is not None else 1
     updates = []
     for node in spec.nodes:
-        if node.op != "update":
+        if not isinstance(node.options, UpdateOptions):
             continue
         dp = layouts[node.model].dp
         mini_batches = node.options.mini_batches

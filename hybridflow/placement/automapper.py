@@ -26,6 +26,7 @@ import networkx as nx
 from hybridflow.graph.batching import smallest_even_batch
 from hybridflow.graph.dag import SOURCE, derive_dag
 from hybridflow.graph.library import ALGORITHMS
+from hybridflow.graph.ops import OPS
 from hybridflow.placement.profiles import HardwareProfile, ModelArch, arch_from_hf_config, get_profile, model_size
 from hybridflow.spec.engines import caps_of
 from hybridflow.spec.graph import TINY_QWEN2
@@ -347,7 +348,7 @@ def plan_graph(graph, model_size_name: str | None = None) -> PlanGraph:
     tp x pp layout (as megatron-core would run it; the torch engine is data-parallel only).
     """
     spec = graph.spec
-    updated = {n.model for n in graph.nodes if n.op == "update"}
+    updated = {n.model for n in graph.nodes if graph.op(n).trains}
     models = {}
     for name, m in spec.models.items():
         models[name] = ModelInfo(
@@ -360,7 +361,7 @@ def plan_graph(graph, model_size_name: str | None = None) -> PlanGraph:
             flexible_generation=m.rollout is not None and (caps_of(m.rollout).generation_tp or model_size_name is not None),
         )
     actor = spec.models[graph.actor]
-    updates = [n for n in graph.nodes if n.op == "update"]
+    updates = [n for n in graph.nodes if graph.op(n).trains]
     workload = Workload(
         num_prompts=spec.data.prompts_per_iteration,
         samples_per_prompt=actor.rollout.n if actor.rollout else 1,
@@ -495,7 +496,7 @@ def rlhf_plan_graph(algorithm: str, arch: ModelArch, workload: Workload) -> Plan
         raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {sorted(ALGORITHMS)}")
     spec = ALGORITHMS[algorithm]().spec()
     nodes, dag = derive_dag(spec, f"<library graph {algorithm}>")
-    updated = {n.model for n in nodes if n.op == "update"}
+    updated = {n.model for n in nodes if OPS[n.op].trains}
     models = {
         name: ModelInfo(name, model.role, arch, trainable=name in updated)
         for name, model in spec.models.items()

@@ -401,23 +401,8 @@ class MultiTurnOptions(Spec):
     )
 
 
-class GenerateNode(NodeBase):
-    op: Literal["generate"]
-    options: GenerateOptions = Field(default_factory=GenerateOptions)
-
-
 class NoOptions(Spec):
     pass
-
-
-class LogProbNode(NodeBase):
-    op: Literal["log_prob"]
-    options: NoOptions = Field(default_factory=NoOptions)
-
-
-class ValuesNode(NodeBase):
-    op: Literal["values"]
-    options: NoOptions = Field(default_factory=NoOptions)
 
 
 DEFAULT_SCORE_TIMEOUT_S = 30.0  # a rule call slower than this is taken to hang
@@ -468,11 +453,6 @@ class ScoreOptions(Spec):
     )
 
 
-class ScoreNode(NodeBase):
-    op: Literal["score"]
-    options: ScoreOptions = Field(default_factory=ScoreOptions)
-
-
 def _registered(registry_name: str, name: str) -> str:
     """Fail at load time, with the known names, on an unregistered algorithm name."""
     import hybridflow.algos as algos
@@ -516,11 +496,6 @@ class AdvantageOptions(Spec):
     @classmethod
     def _known_estimator(cls, name: str) -> str:
         return _registered("ADV_ESTIMATORS", name)
-
-
-class AdvantageNode(NodeBase):
-    op: Literal["advantage"]
-    options: AdvantageOptions = Field(default_factory=AdvantageOptions)
 
 
 class RolloutCorrectionOptions(Spec):
@@ -660,19 +635,9 @@ class FilterOptions(Spec):
     )
 
 
-class UpdateNode(NodeBase):
-    op: Literal["update"]
-    options: UpdateOptions = Field(default_factory=UpdateOptions)
-
-
-NodeSpec = Annotated[
-    Union[GenerateNode, LogProbNode, ValuesNode, ScoreNode, AdvantageNode, UpdateNode],
-    Field(discriminator="op"),
-]
-# op name -> its node model; `graph.ops.register_op` adds the node model of a new op.
-_NODE_TYPES: dict[str, type[NodeBase]] = {
-    typing.get_args(cls.model_fields["op"].annotation)[0]: cls for cls in typing.get_args(typing.get_args(NodeSpec)[0])
-}
+# op name -> its node model (``op`` literal, ``options``): generated from the op records by
+# ``graph.ops.register_op``, built-in ops and a user's alike.
+_NODE_TYPES: dict[str, type[NodeBase]] = {}
 
 
 # -- data and trainer -------------------------------------------------------------------------
@@ -854,7 +819,14 @@ class GraphSpec(Spec):
     placement: dict[str, str] | Literal["auto"] = Field(
         "auto", description="Model name -> pool name, or 'auto'."
     )
-    nodes: list[NodeSpec] = Field(description="Operations; edges are derived from data keys.")
+    plugins: list[str] = Field(
+        default_factory=list,
+        description="Modules to import before the nodes are read, each registering ops of its own "
+        "(hybridflow.graph.ops.register_op): found in the graph file's folder, then on PYTHONPATH. "
+        "The workers import them too.",
+    )
+    # The node union of the registered ops: ``set_node_types`` puts it here.
+    nodes: list[NodeBase] = Field(description="Operations; edges are derived from data keys.")
     data: DataSpec = Field(default_factory=DataSpec)
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
 

@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from hybridflow.spec.engines import engine_names
-from hybridflow.spec.graph import GraphSpec, OtherEngineOption, node_types
+from hybridflow.spec.graph import OtherEngineOption, node_types
 from hybridflow.spec.pool import PoolsFile
 
 M = TypeVar("M", bound=BaseModel)
@@ -145,11 +145,6 @@ def validate_model(model: type[M], raw: dict, file: str | Path) -> M:
         if more:
             message += f" (+{more} more error{'s' if more > 1 else ''})"
         raise SpecError(file, field, message) from None
-
-
-def load_graph_spec(path: str | Path, overrides: list[str] = ()) -> GraphSpec:
-    raw = apply_overrides(read_yaml(path), list(overrides), path)
-    return validate_model(GraphSpec, raw, path)
 
 
 def load_pools(path: str | Path) -> PoolsFile:
