@@ -173,29 +173,16 @@ def test_device_check_dry_run_lists_and_skips():
 
 @pytest.mark.slow
 def test_plugin_rollout_engine_runs_a_graph(ray_session, tmp_path):
-    """A graph names an engine a test module registers. The controller imports the module
-    here; the workers import it when they unpickle the graph, whose rollout config is the
-    module's class (found from the repository root, which Ray puts on the workers' path as the
-    driver's working directory)."""
-    import importlib
-
+    """A graph file names an engine its ``plugins:`` module registers (tests/plugins/
+    counting_engine.py). The loader imports the module in the controller; the workers import it
+    from the same folder before they read the graph."""
     import ray
 
     from hybridflow.controller.trainer import Trainer
 
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    engine_plugin = importlib.import_module("tests.engine_plugin")  # the workers' name for it
-
-    text = GRPO.read_text()
-    assert "rollout: {engine: hf," in text
-    graph_file = tmp_path / "grpo_counting.yaml"  # the default graph, its rollout the plugin's
-    graph_file.write_text(text.replace("rollout: {engine: hf,", f"rollout: {{engine: {engine_plugin.NAME}, label: mine,")
-                          .replace("resource_pools/", f"{ROOT}/resource_pools/"))
-    overrides = ["trainer.iterations=2", "trainer.val_interval=0", "data.num_val=0", "trainer.progress=false",
-                 "trainer.save_final=false", "data.prompts_per_iteration=4", "models.actor.rollout.n=4"]
-    graph = load_graph(graph_file, overrides)
+    graph = load_graph(ROOT / "tests" / "plugins" / "grpo_counting.yaml", ["data.num_val=0"])
     assert graph.spec.models["actor"].rollout.label == "mine"
+    assert type(graph.spec.models["actor"].rollout).__module__ == "counting_engine"
     seen = []
     trainer = Trainer(graph, run_dir=str(tmp_path / "run"))
 
