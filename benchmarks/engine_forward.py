@@ -119,9 +119,10 @@ def run_row(name: str, args) -> dict:
                 _plain_step(model, optimizer, batch, args.micro_batch_size)
     else:
         from hybridflow.engines.torch_engine import TorchTrainEngine
-        from hybridflow.spec.graph import OptimSpec, TrainEngineSpec
+        from hybridflow.spec.engines import TorchTrainSpec
+        from hybridflow.spec.graph import OptimSpec
 
-        spec = TrainEngineSpec(
+        spec = TorchTrainSpec(
             micro_batch_size=args.micro_batch_size, share_prompts=args.share_prompts,
             optim=OptimSpec(lr=3e-5, grad_clip=1.0),
             logits_chunk_tokens=args.chunk_tokens if chunked else None,

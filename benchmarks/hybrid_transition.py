@@ -41,7 +41,7 @@ def _worker(rank: int, world: int, port: int, tg: int, args: dict, out: str) -> 
 
     from hybridflow.engines.megatron import MegatronTrainEngine
     from hybridflow.engines.models import tiny_qwen2_config
-    from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, save_for_vllm
+    from hybridflow.engines.vllm import VLLMRolloutEngine, save_for_vllm
     from hybridflow.hybrid_engine.sync import ReshardedSync
     from hybridflow.spec.graph import TrainEngineSpec
     from hybridflow.spec.layout import ParallelLayout

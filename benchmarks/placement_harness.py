@@ -83,7 +83,7 @@ from hybridflow.placement.simulator import (  # noqa: E402
     fit_oversubscription,
     plan_layout,
 )
-from hybridflow.spec.loading import load_graph_spec  # noqa: E402
+from hybridflow.graph.plugins import load_graph_spec  # noqa: E402
 
 GRAPH = ROOT / "graphs" / "grpo.yaml"
 MODELS = ["actor", "ref", "reward"]

@@ -46,7 +46,7 @@ def main() -> None:
     from hybridflow.data import keys as K
     from hybridflow.data.tasks import get_task
     from hybridflow.engines.base import SamplingParams
-    from hybridflow.engines.vllm_rollout import VLLMRolloutEngine
+    from hybridflow.engines.vllm import VLLMRolloutEngine
     from hybridflow.spec.graph import TINY_QWEN2, RolloutSpec
 
     tokenizer = get_task("copy").tokenizer()

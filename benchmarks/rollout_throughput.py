@@ -72,7 +72,7 @@ def main() -> int:
     from hybridflow.engines.base import SamplingParams
     from hybridflow.engines.hf_rollout import HFRolloutEngine
     from hybridflow.engines.models import build_causal_lm
-    from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, save_for_vllm
+    from hybridflow.engines.vllm import VLLMRolloutEngine, save_for_vllm
     from hybridflow.spec.graph import ModelSource
 
     tokenizer = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz=")

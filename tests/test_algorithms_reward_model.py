@@ -24,7 +24,7 @@ def test_model_reward_scores_equal_direct_transformers_forward(ray_session, tmp_
     from hybridflow.controller.executor import run_nodes
     from hybridflow.data.datasets import collate_prompts
     from hybridflow.engines.models import tiny_qwen2_config
-    from hybridflow.placement.pools import ResourcePool
+    from hybridflow.workers.pools import ResourcePool
     from hybridflow.workers.group import WorkerGroup
     from hybridflow.workers.model_worker import ModelWorker
     from hybridflow.workers.sharded import ShardedRef

@@ -372,7 +372,8 @@ def test_apply_safety_steps_lambda_then_combines():
 def test_unknown_algorithm_names_are_one_line_spec_errors(override, field, expected):
     from pathlib import Path
 
-    from hybridflow.spec.loading import SpecError, load_graph_spec
+    from hybridflow.graph.plugins import load_graph_spec
+    from hybridflow.spec.loading import SpecError
 
     path = Path(__file__).resolve().parent.parent / "graphs" / "ppo.yaml"
     with pytest.raises(SpecError) as info:

@@ -112,14 +112,14 @@ def test_consistency_check_reads_only_the_recorded_rows():
     False) stays out of the rollout/training difference; the loss is unchanged."""
     from hybridflow.hybrid_engine.consistency import ConsistencyStats
     from hybridflow.spec.graph import UpdateOptions
-    from hybridflow.workers.model_worker import ModelWorker
+    from hybridflow.algos.actor_loss import policy_loss_fn
 
     every, only_first = ConsistencyStats(), ConsistencyStats()
     mb, out = _micro_batch()
-    loss_every, _ = ModelWorker._policy_loss(UpdateOptions(), every)(mb, out)
+    loss_every, _ = policy_loss_fn(UpdateOptions(), every)(mb, out)
     mb[K.ROLLOUT_LOG_PROBS_RECORDED] = torch.tensor([True, False])
     mb[K.ROLLOUT_LOG_PROBS][1] = 0.0
-    loss_first, _ = ModelWorker._policy_loss(UpdateOptions(), only_first)(mb, out)
+    loss_first, _ = policy_loss_fn(UpdateOptions(), only_first)(mb, out)
     assert float(loss_first) == float(loss_every)
     assert every.reduce()["rollout_log_prob_diff_mean"] == pytest.approx(0.5 / 3)
     first = only_first.reduce()
@@ -129,9 +129,9 @@ def test_consistency_check_reads_only_the_recorded_rows():
 
 def test_is_weights_scale_the_policy_loss_per_token():
     from hybridflow.spec.graph import UpdateOptions
-    from hybridflow.workers.model_worker import ModelWorker
+    from hybridflow.algos.actor_loss import policy_loss_fn
 
-    loss_fn = ModelWorker._policy_loss(UpdateOptions())
+    loss_fn = policy_loss_fn(UpdateOptions())
     # ratio 1 everywhere (old = current): the ppo_clip loss of a token is -A.
     plain, _ = loss_fn(*_micro_batch())
     assert float(plain.detach()) == pytest.approx((-1 - 1 + 2) / 3)
@@ -144,9 +144,9 @@ def test_the_update_reports_the_entropy_when_no_log_prob_node_does():
     """A log_prob node on the actor reports actor/entropy; without one (no old_log_probs in the
     batch) the update reports its own forward's, over the valid tokens."""
     from hybridflow.spec.graph import UpdateOptions
-    from hybridflow.workers.model_worker import ModelWorker
+    from hybridflow.algos.actor_loss import policy_loss_fn
 
-    loss_fn = ModelWorker._policy_loss(UpdateOptions())
+    loss_fn = policy_loss_fn(UpdateOptions())
     mb, out = _micro_batch()
     out["entropy"] = torch.tensor([[1.0, 2.0], [3.0, 9.0]])  # 9: a padding token
     _, metrics = loss_fn(mb, out)
@@ -157,9 +157,9 @@ def test_the_update_reports_the_entropy_when_no_log_prob_node_does():
 
 def test_old_log_probs_rollout_puts_the_rollout_in_the_ratio():
     from hybridflow.spec.graph import UpdateOptions
-    from hybridflow.workers.model_worker import ModelWorker
+    from hybridflow.algos.actor_loss import policy_loss_fn
 
-    loss_fn = ModelWorker._policy_loss(UpdateOptions(old_log_probs="rollout", clip_ratio=10.0))
+    loss_fn = policy_loss_fn(UpdateOptions(old_log_probs="rollout", clip_ratio=10.0))
     _, metrics = loss_fn(*_micro_batch())
     # ratios pi / pi_rollout on the valid tokens: e^0.5, 1, 1 (the masked -9 is not counted)
     assert metrics["ratio_mean"] == pytest.approx((math.exp(0.5) + 2) / 3)

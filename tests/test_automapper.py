@@ -307,7 +307,7 @@ def test_fit_keeps_the_prior_for_work_kinds_never_measured():
 
 def test_auto_placement_carves_the_pool_into_the_plans_sets(tmp_path):
     from hybridflow.graph.dag import build_graph
-    from hybridflow.spec.loading import load_graph_spec
+    from hybridflow.graph.plugins import load_graph_spec
 
     pools = tmp_path / "pools.yaml"
     pools.write_text("pools:\n  cpu3: {nodes: 1, devices_per_node: 3, device: cpu}\n")

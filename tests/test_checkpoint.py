@@ -39,12 +39,13 @@ def inject(trainer, target: str, count: int = 1) -> None:
 
 @pytest.mark.slow
 def test_nan_guard_skips_counts_and_stops_after_k_in_a_row(ray_session, tmp_path):
+    from fault_hooks import FaultyTrainer
+
     from hybridflow.controller.recovery import RunStopped
-    from hybridflow.controller.trainer import Trainer
 
     overrides = [*SMALL, "trainer.iterations=8", "trainer.save_interval=1", "trainer.keep_last=10",
                  "trainer.nan_tolerance=2"]
-    trainer = Trainer(load_graph(GRPO, overrides), run_dir=str(tmp_path / "run"))
+    trainer = FaultyTrainer(load_graph(GRPO, overrides), run_dir=str(tmp_path / "run"))
     # A NaN loss in iteration 2 (alone: skipped, counted, run goes on), then in 4 and 5 (two in a
     # row = nan_tolerance: the run stops after 5).
     plan = {1: 1, 3: 2}
@@ -68,11 +69,12 @@ def test_nan_guard_skips_counts_and_stops_after_k_in_a_row(ray_session, tmp_path
 
 @pytest.mark.slow
 def test_nonfinite_weight_is_never_checkpointed(ray_session, tmp_path):
+    from fault_hooks import FaultyTrainer
+
     from hybridflow.controller.recovery import RunStopped
-    from hybridflow.controller.trainer import Trainer
 
     overrides = [*SMALL, "trainer.iterations=4", "trainer.save_interval=1"]
-    trainer = Trainer(load_graph(GRPO, overrides), run_dir=str(tmp_path / "run"))
+    trainer = FaultyTrainer(load_graph(GRPO, overrides), run_dir=str(tmp_path / "run"))
     trainer.callbacks.append(lambda t, it, m: inject(t, "weight") if it == 2 else None)
     with pytest.raises(RunStopped, match=r"stopping at iteration 2: .*weight .* is not finite; not "
                        r"checkpointing it; last checkpoint: .*iter_00000001"):
@@ -162,12 +164,13 @@ def test_exported_actor_reloads_with_logits_equal_to_the_train_engine(tmp_path):
     from hybridflow.data.tasks import get_task
     from hybridflow.engines.models import build_causal_lm
     from hybridflow.engines.torch_engine import TorchTrainEngine
-    from hybridflow.spec.graph import ModelSource, TrainEngineSpec
+    from hybridflow.spec.engines import TorchTrainSpec
+    from hybridflow.spec.graph import ModelSource
 
     tokenizer = get_task("copy").tokenizer()
     module = build_causal_lm(ModelSource(config={"hidden_size": 64}), len(tokenizer),
                              tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0)
-    engine = TorchTrainEngine(module, TrainEngineSpec())
+    engine = TorchTrainEngine(module, TorchTrainSpec())
     gen = torch.Generator().manual_seed(0)
     num, prompt_len, resp_len = 4, 5, 6
     ids = torch.randint(3, len(tokenizer), (num, prompt_len + resp_len), generator=gen)

@@ -89,7 +89,8 @@ from hybridflow.engines.base import SamplingParams  # noqa: E402
 from hybridflow.engines.hf_rollout import HFRolloutEngine  # noqa: E402
 from hybridflow.engines.models import build_causal_lm  # noqa: E402
 from hybridflow.engines.torch_engine import GATHER_BEFORE_HEAD_VOCAB, TorchTrainEngine  # noqa: E402
-from hybridflow.spec.graph import ModelSource, OptimSpec, TrainEngineSpec  # noqa: E402
+from hybridflow.spec.engines import TorchTrainSpec  # noqa: E402
+from hybridflow.spec.graph import ModelSource, OptimSpec  # noqa: E402
 
 PAD, EOS, VOCAB = 0, 1, 2 * GATHER_BEFORE_HEAD_VOCAB  # a vocabulary the chunked read-out serves
 
@@ -131,7 +132,7 @@ def test_engine_chunked_read_outs_and_step_equal_full_logits(tied, layout):
     assert batch[K.RESPONSE_MASK].sum(-1).min() < batch[K.RESPONSES].shape[1]  # ragged: masks matter
 
     def engine(chunk):
-        spec = TrainEngineSpec(
+        spec = TorchTrainSpec(
             micro_batch_size=6, remove_padding=layout == "packed", share_prompts=layout == "shared",
             optim=OptimSpec(grad_clip=None), logits_chunk_tokens=chunk,
         )
@@ -165,7 +166,7 @@ def test_engine_bfloat16_compute_chunked_close_to_full():
     batch = _rollouts(True)
 
     def engine(chunk):
-        spec = TrainEngineSpec(micro_batch_size=6, compute_dtype="bfloat16", logits_chunk_tokens=chunk)
+        spec = TorchTrainSpec(micro_batch_size=6, compute_dtype="bfloat16", logits_chunk_tokens=chunk)
         return TorchTrainEngine(build_causal_lm(_source(True), VOCAB, PAD, EOS, seed=2), spec)
 
     full, chunked = engine(None), engine(4)
@@ -179,7 +180,7 @@ def test_engine_bfloat16_compute_chunked_close_to_full():
 
 def test_a_small_vocabulary_keeps_the_models_logits():
     model = build_causal_lm(_source(True), 64, PAD, EOS, seed=2)
-    assert TorchTrainEngine(model, TrainEngineSpec())._chunk_head is None
+    assert TorchTrainEngine(model, TorchTrainSpec())._chunk_head is None
 
 
 def test_engine_lora_chunked_equals_full_logits():
@@ -190,7 +191,7 @@ def test_engine_lora_chunked_equals_full_logits():
     batch = _rollouts(True)
 
     def engine(chunk):
-        spec = TrainEngineSpec(
+        spec = TorchTrainSpec(
             micro_batch_size=6, optim=OptimSpec(grad_clip=None), logits_chunk_tokens=chunk,
             lora=LoraSpec(rank=4, alpha=8, target_modules="all-linear"),
         )

@@ -207,7 +207,7 @@ def test_validate_applies_overrides_to_every_file(capsys):
 def test_an_override_changes_one_alias_of_a_yaml_anchor_only():
     """grpo.yaml's actor and ref both name the &tiny source; overriding the ref's leaves the
     actor's as written (deepcopy kept the YAML's sharing, so both changed)."""
-    from hybridflow.spec.loading import load_graph_spec
+    from hybridflow.graph.plugins import load_graph_spec
 
     spec = load_graph_spec("graphs/grpo.yaml", ["models.ref.source.config.hidden_size=32"])
     assert spec.models["ref"].source.config["hidden_size"] == 32
@@ -230,7 +230,7 @@ def test_plan_scales_the_batch_to_the_chosen_layout(capsys, size):
     from hybridflow.graph.batching import _batch_problem, smallest_even_batch
     from hybridflow.graph.dag import build_graph
     from hybridflow.placement.automapper import plan_dp, plan_even_batch
-    from hybridflow.spec.loading import load_graph_spec
+    from hybridflow.graph.plugins import load_graph_spec
 
     pool_file = "resource_pools/a100_16x8.yaml"
     args = ["plan", "graphs/ppo.yaml", "--pool", pool_file, *(["--model-size", size] if size else [])]

@@ -15,6 +15,7 @@ from hybridflow.engines.compile import decoder_layers
 from hybridflow.engines.models import build_causal_lm
 from hybridflow.engines.torch_engine import TorchTrainEngine
 from hybridflow.graph.dag import load_graph
+from hybridflow.spec.engines import TorchTrainSpec
 from hybridflow.spec.graph import LoraSpec, TrainEngineSpec
 from hybridflow.spec.loading import SpecError
 
@@ -65,7 +66,7 @@ def test_the_layers_share_one_compilation():
         torch._dynamo.reset()
         counters.clear()
         source = TINY.model_copy(update={"config": {"num_hidden_layers": layers}})
-        engine = TorchTrainEngine(build_causal_lm(source, VOCAB, PAD, EOS, seed=2), TrainEngineSpec(compile=True))
+        engine = TorchTrainEngine(build_causal_lm(source, VOCAB, PAD, EOS, seed=2), TorchTrainSpec(compile=True))
         engine.forward(_batch())
         return counters["stats"]["unique_graphs"]
 
@@ -76,7 +77,7 @@ def test_compile_is_refused_where_it_does_not_apply(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="compile is for train.engine 'torch'"):
         TrainEngineSpec(engine="megatron", compile=True)
     with pytest.raises(ValueError, match="compile with lora is not supported"):
-        TrainEngineSpec(compile=True, lora=LoraSpec())
+        TorchTrainSpec(compile=True, lora=LoraSpec())
     spec = yaml.safe_load((BAD_INPUTS / "base.yaml").read_text())
     spec["resources"] = str(BAD_INPUTS.parent.parent / spec["resources"])
     spec["models"]["actor"]["train"] = {"compile": True}

@@ -66,10 +66,11 @@ def _train_once(
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     from hybridflow.engines.models import build_causal_lm
     from hybridflow.engines.torch_engine import TorchTrainEngine
-    from hybridflow.spec.graph import ModelSource, OptimSpec, TrainEngineSpec
+    from hybridflow.spec.engines import TorchTrainSpec
+    from hybridflow.spec.graph import ModelSource, OptimSpec
 
     model = build_causal_lm(ModelSource(config={"tie_word_embeddings": tied}), vocab, PAD, EOS, 0)
-    spec = TrainEngineSpec(
+    spec = TorchTrainSpec(
         micro_batch_size=micro_batch_size, optim=OptimSpec(lr=1e-3, grad_clip=_clip(vocab))
     )
     engine = TorchTrainEngine(model, spec)

@@ -18,6 +18,7 @@ from hybridflow.engines.models import build_causal_lm, build_value_model
 from hybridflow.engines.schedule import lr_factor
 from hybridflow.engines.torch_engine import TorchTrainEngine
 from hybridflow.graph.ops import graph_keys
+from hybridflow.spec.engines import TorchTrainSpec
 from hybridflow.spec.graph import ModelSource, OptimSpec, TrainEngineSpec
 
 PAD, EOS, VOCAB = 0, 1, 12
@@ -113,7 +114,7 @@ def test_build_is_seeded_and_loads_from_path(tmp_path):
 
 
 def test_generate_fields_and_rollout_log_probs_match_training():
-    engine = TorchTrainEngine(_model(), TrainEngineSpec(micro_batch_size=5))
+    engine = TorchTrainEngine(_model(), TorchTrainSpec(micro_batch_size=5))
     rollout = HFRolloutEngine(engine.module, eos_id=EOS, pad_id=PAD)
     torch.manual_seed(0)
     params = SamplingParams(n=4, temperature=0.7, max_new_tokens=8)
@@ -185,7 +186,7 @@ def _sample(rollout: HFRolloutEngine) -> TensorDict:
 
 
 def test_load_weights_copies_or_shares():
-    engine = TorchTrainEngine(_model(seed=0), TrainEngineSpec())
+    engine = TorchTrainEngine(_model(seed=0), TorchTrainSpec())
     other = HFRolloutEngine(_model(seed=5), eos_id=EOS, pad_id=PAD)
     before = _sample(other)
     reference = _sample(HFRolloutEngine(engine.module, eos_id=EOS, pad_id=PAD))
@@ -228,7 +229,7 @@ def _nll_loss(mb: TensorDict, out: dict[str, torch.Tensor]):
 
 def test_train_steps_lower_the_loss():
     batch = _rollout_batch()
-    spec = TrainEngineSpec(micro_batch_size=4, optim=OptimSpec(lr=5e-3))
+    spec = TorchTrainSpec(micro_batch_size=4, optim=OptimSpec(lr=5e-3))
     engine = TorchTrainEngine(_model(seed=2), spec)
     before = [p.detach().clone() for p in engine.module.parameters()]
     losses = [engine.train_step(batch, _nll_loss)["loss"] for _ in range(5)]
@@ -245,7 +246,7 @@ def test_a_dropped_engine_is_freed_at_once():
     """No reference cycle through the scheduler: under DDP, torch's collector cannot free one, so
     the process group outlived ``destroy_process_group`` and its gloo threads ran into the
     interpreter's shutdown, where they aborted a rank now and then."""
-    engine = TorchTrainEngine(_model(seed=2), TrainEngineSpec(micro_batch_size=4))
+    engine = TorchTrainEngine(_model(seed=2), TorchTrainSpec(micro_batch_size=4))
     engine.train_step(_rollout_batch()[:4], _nll_loss)
     ref = weakref.ref(engine)
     del engine
@@ -254,7 +255,7 @@ def test_a_dropped_engine_is_freed_at_once():
 
 def test_train_loss_equals_forward_token_mean():
     batch = _rollout_batch()
-    engine = TorchTrainEngine(_model(seed=2), TrainEngineSpec(micro_batch_size=4))
+    engine = TorchTrainEngine(_model(seed=2), TorchTrainSpec(micro_batch_size=4))
     log_probs = engine.forward(batch)["log_probs"]
     mask = batch[K.RESPONSE_MASK]
     expected = -(log_probs * mask).sum() / mask.sum()
@@ -263,7 +264,7 @@ def test_train_loss_equals_forward_token_mean():
 
 def test_lr_schedule_warmup_then_cosine():
     optim = OptimSpec(lr=0.1, warmup_steps=2, schedule="cosine", min_lr_ratio=0.1, grad_clip=None)
-    engine = TorchTrainEngine(_model(), TrainEngineSpec(optim=optim), total_steps=6)
+    engine = TorchTrainEngine(_model(), TorchTrainSpec(optim=optim), total_steps=6)
     batch = _rollout_batch()[:2]
     lrs = [engine.train_step(batch, _nll_loss)["lr"] for _ in range(7)]
 
@@ -276,12 +277,12 @@ def test_lr_schedule_warmup_then_cosine():
     constant = OptimSpec(warmup_steps=3)
     assert [lr_factor(s, constant, 0) for s in range(5)] == pytest.approx([1 / 3, 2 / 3, 1, 1, 1])
     with pytest.raises(ValueError, match="cosine"):
-        TorchTrainEngine(_model(), TrainEngineSpec(optim=optim))
+        TorchTrainEngine(_model(), TorchTrainSpec(optim=optim))
 
 
 def test_state_dict_round_trip_and_save_hf(tmp_path):
     batch = _rollout_batch()
-    spec = TrainEngineSpec(micro_batch_size=4, optim=OptimSpec(warmup_steps=3))
+    spec = TorchTrainSpec(micro_batch_size=4, optim=OptimSpec(warmup_steps=3))
     engine = TorchTrainEngine(_model(seed=2), spec)
     engine.train_step(batch, _nll_loss)
     torch.save(engine.state_dict(), tmp_path / "ckpt.pt")
@@ -301,11 +302,11 @@ def test_a_resume_takes_the_graphs_learning_rate_and_keeps_the_step_count(tmp_pa
     """`models.actor.train.optim.lr` changed on resume: the loaded engine steps at the new lr,
     with the warm-up position (the checkpoint's step count) carried over."""
     batch = _rollout_batch()
-    old = TrainEngineSpec(micro_batch_size=4, optim=OptimSpec(lr=1e-3, warmup_steps=4))
+    old = TorchTrainSpec(micro_batch_size=4, optim=OptimSpec(lr=1e-3, warmup_steps=4))
     engine = TorchTrainEngine(_model(seed=2), old)
     engine.train_step(batch, _nll_loss)
     state = engine.state_dict()
-    new = TrainEngineSpec(micro_batch_size=4, optim=OptimSpec(lr=1e-2, warmup_steps=4))
+    new = TorchTrainSpec(micro_batch_size=4, optim=OptimSpec(lr=1e-2, warmup_steps=4))
     resumed = TorchTrainEngine(_model(seed=7), new)
     resumed.load_state_dict(state)
     # one step done: the next is warm-up step 2 of 4, at the new lr
@@ -321,7 +322,7 @@ def test_a_resume_takes_the_graphs_learning_rate_and_keeps_the_step_count(tmp_pa
 def test_value_engine_forward_and_step():
     batch = _rollout_batch()
     critic = build_value_model(TINY, VOCAB, PAD, EOS, seed=0)
-    engine = TorchTrainEngine(critic, TrainEngineSpec(micro_batch_size=4), kind="value")
+    engine = TorchTrainEngine(critic, TorchTrainSpec(micro_batch_size=4), kind="value")
     values = engine.forward(batch)["values"]
     assert values.shape == batch[K.RESPONSES].shape
     assert bool((values[batch[K.RESPONSE_MASK] == 0] == 0).all())
@@ -343,14 +344,14 @@ def test_engine_registries_hold_the_spec_names_and_import_lazily():
     import typing
 
     from hybridflow.engines.base import ROLLOUT_ENGINES, TRAIN_ENGINES, RolloutEngine, TrainEngine
-    from hybridflow.spec.graph import RolloutSpec
+    from hybridflow.spec.graph import ModelSpec
 
-    spec_names = {
-        TRAIN_ENGINES: TrainEngineSpec.model_fields["engine"].annotation,
-        ROLLOUT_ENGINES: RolloutSpec.model_fields["engine"].annotation,
-    }
-    for registry, literal in spec_names.items():
-        assert registry.names() == sorted(typing.get_args(literal))
+    # A graph file's train/rollout section is the union of the registered engines' configs.
+    for registry, field in ((TRAIN_ENGINES, "train"), (ROLLOUT_ENGINES, "rollout")):
+        union = ModelSpec.model_fields[field].annotation
+        union = typing.get_args(union)[0] if field == "rollout" else union  # Optional[...]
+        tags = sorted(typing.get_args(m)[1].tag for m in typing.get_args(typing.get_args(union)[0]))
+        assert registry.names() == tags
     assert TRAIN_ENGINES.get("torch") is TorchTrainEngine and issubclass(TorchTrainEngine, TrainEngine)
     assert ROLLOUT_ENGINES.get("hf") is HFRolloutEngine and issubclass(HFRolloutEngine, RolloutEngine)
     with pytest.raises(KeyError, match="unknown train engine 'jax'; known: megatron, torch"):
@@ -366,7 +367,7 @@ def test_engine_registries_hold_the_spec_names_and_import_lazily():
 
 
 def test_torch_engine_contract_on_cpu():
-    engine = TorchTrainEngine.build(_model(), TrainEngineSpec(micro_batch_size=5), kind="policy", total_steps=1, seed=0)
+    engine = TorchTrainEngine.build(_model(), TorchTrainSpec(micro_batch_size=5), kind="policy", total_steps=1, seed=0)
     assert engine.train_shard() is None and engine.dp_group is None  # full weights; default group
     assert engine.offload() == 0 and engine.reload() == 0  # already on the CPU, its home
     names = [name for name, _ in engine.named_weights()]

@@ -439,7 +439,7 @@ def test_vllm_turn_ends_at_the_token_that_completes_a_stop_string(chat_tokenizer
     turn keeps exactly the tokens up to the one that completes the first stop string."""
     from types import SimpleNamespace
 
-    from hybridflow.engines.vllm_rollout import VLLMRolloutEngine
+    from hybridflow.engines.vllm import VLLMRolloutEngine
 
     tok = chat_tokenizer
     engine = SimpleNamespace(tokenizer=tok)

@@ -11,7 +11,8 @@ import yaml
 
 from hybridflow.graph.dag import load_graph
 from hybridflow.graph.library import ALGORITHMS
-from hybridflow.spec.loading import SpecError, apply_overrides, load_graph_spec
+from hybridflow.graph.plugins import load_graph_spec
+from hybridflow.spec.loading import SpecError, apply_overrides
 
 from graph_variants import with_old_log_prob
 
@@ -195,7 +196,8 @@ def test_the_updates_first_forward_gives_the_old_log_probs():
     from hybridflow.engines.torch_engine import TorchTrainEngine
     from hybridflow.data.tasks import get_task
     from hybridflow.data.datasets import collate_prompts
-    from hybridflow.spec.graph import ModelSource, TrainEngineSpec
+    from hybridflow.spec.engines import TorchTrainSpec
+    from hybridflow.spec.graph import ModelSource
 
     tokenizer = get_task("copy").tokenizer()
     model = build_causal_lm(ModelSource(config={"hidden_size": 64, "num_hidden_layers": 2}), len(tokenizer),
@@ -204,7 +206,7 @@ def test_the_updates_first_forward_gives_the_old_log_probs():
     torch.manual_seed(0)
     batch = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id).generate(
         prompts, SamplingParams(n=4, max_new_tokens=6))
-    engine = TorchTrainEngine(model, TrainEngineSpec(micro_batch_size=4, optim={"lr": 0.1}))
+    engine = TorchTrainEngine(model, TorchTrainSpec(micro_batch_size=4, optim={"lr": 0.1}))
     old = engine.forward(batch)["log_probs"]
     seen = []
 

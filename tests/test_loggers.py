@@ -1,4 +1,5 @@
-"""Loggers chosen by ``trainer.loggers``: console lines, TensorBoard scalars, sample generations."""
+"""Loggers chosen by ``trainer.loggers``: console lines, TensorBoard scalars, wandb and MLflow runs
+(read back with their own tools), sample generations."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_samples_off_writes_nothing(tmp_path):
 
 def test_unknown_logger_is_a_one_line_spec_error():
     with pytest.raises(SpecError) as info:
-        validate_model(TrainerSpec, {"loggers": ["wandb"]}, "g.yaml")
+        validate_model(TrainerSpec, {"loggers": ["neptune"]}, "g.yaml")
     assert info.value.field == "loggers[0]" and "\n" not in str(info.value)
 
 
@@ -100,3 +101,115 @@ def test_rewind_cuts_samples_and_hides_tensorboard_steps_after_the_checkpoint(tm
     events.Reload()
     rewards = [(e.step, e.value) for e in events.Scalars("reward/mean")]
     assert rewards == [(1, 0.25), (2, 0.5), (3, 4.0), (4, 5.0), (5, 6.0)]
+
+
+def _tracked_records(n: int, start: int = 1) -> list[dict]:
+    # Shaped like metrics.jsonl rows: namespaced keys, ints and floats, the step as "iteration".
+    return [
+        {"iteration": i, "reward/mean": 0.25 * i, "actor/kl": 0.5 / i, "timing/iteration": 1.0,
+         "rollout/num_tokens": 64 * i, "val/reward/mean": 0.1 * i}
+        for i in range(start, start + n)
+    ]
+
+
+def _mlflow_history(run_dir) -> tuple[str, dict[str, list[tuple[int, float]]]]:
+    from mlflow.tracking import MlflowClient
+
+    run_id = (run_dir / "mlflow" / "run_id").read_text().strip()
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}")
+    run = client.get_run(run_id)
+    return run_id, {
+        key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key)) for key in run.data.metrics
+    }
+
+
+def test_mlflow_holds_every_metric_and_a_resume_continues_the_run(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")  # no network
+    (tmp_path / "graph.yaml").write_text("name: g\n")
+    trainer = TrainerSpec(loggers=["mlflow"], iterations=5, tracking={"project": "proj", "tags": ["smoke"]})
+    loggers = RunLoggers(trainer, tmp_path, "g.yaml", name="g")
+    records = _tracked_records(3)
+    for record in records:
+        loggers.log(record)
+    loggers.close()
+    run_id, history = _mlflow_history(tmp_path)
+    expected = {k: [(r["iteration"], float(r[k])) for r in records] for k in records[0] if k != "iteration"}
+    assert history == expected
+
+    loggers = RunLoggers(trainer, tmp_path, "g.yaml", name="g")  # a resume: the same run dir
+    more = _tracked_records(2, start=4)
+    for record in more:
+        loggers.log(record)
+    loggers.close()
+    again, history = _mlflow_history(tmp_path)
+    assert again == run_id
+    assert history["reward/mean"] == [(i, 0.25 * i) for i in range(1, 6)]
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}")
+    run = client.get_run(run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "proj"
+    assert run.info.run_name == tmp_path.name and run.data.tags["smoke"] == "true"
+    assert run.info.status == "FINISHED"
+    assert [a.path for a in client.list_artifacts(run_id)] == ["graph.yaml"]
+
+
+def test_mlflow_missing_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
+    monkeypatch.setitem(sys.modules, "mlflow.entities", None)
+    with pytest.raises(SpecError) as info:
+        RunLoggers(TrainerSpec(loggers=["mlflow"]), tmp_path, "g.yaml")
+    assert info.value.field == "trainer.loggers" and "hybridflow[mlflow]" in str(info.value)
+
+
+def test_wandb_offline_run_holds_every_metric_and_the_graph(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from tests.wandb_records import history, run_records
+
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "graph.yaml").write_text("name: g\ntrainer: {iterations: 3}\n")
+    trainer = TrainerSpec(loggers=["wandb"], iterations=3, tracking={"tags": ["smoke"]})
+    loggers = RunLoggers(trainer, tmp_path, "g.yaml", name="g")
+    records = _tracked_records(3)
+    for record in records:
+        loggers.log(record)
+    loggers.close()
+    logged = history(tmp_path / "wandb")
+    assert sorted(logged) == [1, 2, 3]
+    for record in records:
+        assert logged[record["iteration"]] == pytest.approx({k: v for k, v in record.items() if k != "iteration"})
+    (run,) = run_records(tmp_path / "wandb")
+    assert run.project == "g" and run.display_name == tmp_path.name and list(run.tags) == ["smoke"]
+    config = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in run.config.update}
+    assert config["name"] == "g" and config["trainer"] == {"iterations": 3}
+
+
+def test_wandb_missing_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(SpecError) as info:
+        RunLoggers(TrainerSpec(loggers=["wandb"]), tmp_path, "g.yaml")
+    assert info.value.field == "trainer.loggers" and "hybridflow[wandb]" in str(info.value)
+
+
+def test_mlflow_tracking_uri_wins_over_the_run_dir_store(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    store = tmp_path / "shared.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    loggers = RunLoggers(TrainerSpec(loggers=["mlflow"]), run_dir, "g.yaml", name="g")
+    loggers.log(_tracked_records(1)[0])
+    loggers.close()
+    assert store.is_file() and not (run_dir / "mlflow" / "mlflow.db").exists()
+    run_id = (run_dir / "mlflow" / "run_id").read_text().strip()
+    history = MlflowClient(tracking_uri=f"sqlite:///{store}").get_metric_history(run_id, "reward/mean")
+    assert [(m.step, m.value) for m in history] == [(1, 0.25)]

@@ -17,7 +17,8 @@ from hybridflow.engines.lora import BaseModelEngine, base_named_weights
 from hybridflow.engines.models import build_causal_lm
 from hybridflow.engines.torch_engine import TorchTrainEngine
 from hybridflow.graph.dag import load_graph
-from hybridflow.spec.graph import LoraSpec, ModelSource, TrainEngineSpec
+from hybridflow.spec.engines import TorchTrainSpec
+from hybridflow.spec.graph import LoraSpec, ModelSource
 from hybridflow.spec.loading import SpecError
 from test_model_sources import _prompts, save_family
 
@@ -49,7 +50,7 @@ def _reinforce(mb, fwd):
 
 def _lora_engine(directory, lr=0.05):
     model, tokenizer = _model(directory)
-    engine = TorchTrainEngine(model, TrainEngineSpec(micro_batch_size=4, optim={"lr": lr}, lora=LORA))
+    engine = TorchTrainEngine(model, TorchTrainSpec(micro_batch_size=4, optim={"lr": lr}, lora=LORA))
     return engine, model, tokenizer
 
 
@@ -80,7 +81,7 @@ def test_reference_is_the_base_model_with_adapters_disabled(llama_dir):
     for _ in range(2):
         engine.train_step(batch, _reinforce)
     base, _ = _model(llama_dir)
-    want = TorchTrainEngine(base, TrainEngineSpec(micro_batch_size=4)).forward(batch)["log_probs"]
+    want = TorchTrainEngine(base, TorchTrainSpec(micro_batch_size=4)).forward(batch)["log_probs"]
     ref = BaseModelEngine(engine).forward(batch)["log_probs"]
     assert torch.equal(ref, want)  # the disabled adapters take no part in the sum
     actor = engine.forward(batch)["log_probs"]
@@ -116,7 +117,7 @@ def test_vllm_after_an_adapter_sync_equals_the_merged_model(llama_dir, lora_sync
     second sync (new weights under a new adapter id) is taken too. Adapters go through a
     shared-memory directory (first sync), then are built in memory (second); under
     ``lora_sync: merged`` a vLLM without LoRA takes the weights merged in the train process."""
-    from hybridflow.engines.vllm_rollout import VLLMRolloutEngine
+    from hybridflow.engines.vllm import VLLMRolloutEngine
 
     engine, model, tokenizer = _lora_engine(llama_dir)
     prompts = _prompts(tokenizer)
@@ -234,16 +235,16 @@ def test_two_iterations_of_the_smollm2_lora_graph_then_eval(tmp_path, monkeypatc
 
 def test_weight_sync_picks_the_lora_path(llama_dir):
     """Adapters by default; merged weights for vLLM under lora_sync: merged; the transformers
-    rollout always shares the module (no merged weights copied into its LoRA layers)."""
+    rollout (which has no lora_sync) shares the module (no merged weights copied into its LoRA
+    layers)."""
     from hybridflow.hybrid_engine.sync import sync_adapters, sync_merged, weight_sync
-    from hybridflow.spec.graph import RolloutSpec
+    from hybridflow.spec.engines import HFRolloutSpec, VLLMRolloutSpec
 
     engine, model, tokenizer = _lora_engine(llama_dir)
-    chosen = {
-        (name, how): weight_sync(engine, RolloutSpec(engine=name, lora_sync=how)).func
-        for name in ("hf", "vllm") for how in ("adapter", "merged")
-    }
-    assert chosen == {("hf", "adapter"): sync_adapters, ("hf", "merged"): sync_adapters,
-                      ("vllm", "adapter"): sync_adapters, ("vllm", "merged"): sync_merged}
+    chosen = {how: weight_sync(engine, VLLMRolloutSpec(engine="vllm", lora_sync=how)).func for how in ("adapter", "merged")}
+    assert chosen == {"adapter": sync_adapters, "merged": sync_merged}
+    assert weight_sync(engine, HFRolloutSpec()).func is sync_adapters  # lora_sync is vLLM's option
+    with pytest.raises(ValueError, match="lora_sync is for rollout.engine 'vllm'"):
+        HFRolloutSpec(lora_sync="merged")
     hf = HFRolloutEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
-    assert weight_sync(engine, RolloutSpec(engine="hf", lora_sync="merged"))(hf)["weight_sync/bytes"] == 0.0
+    assert weight_sync(engine, HFRolloutSpec())(hf)["weight_sync/bytes"] == 0.0

@@ -25,6 +25,7 @@ from hybridflow.engines.megatron.convert import (  # noqa: E402
     shard_specs,
     to_hf,
 )
+from hybridflow.spec.engines import TorchTrainSpec  # noqa: E402
 from hybridflow.spec.graph import OptimSpec, TrainEngineSpec  # noqa: E402
 from hybridflow.spec.layout import ParallelLayout, RankCoords  # noqa: E402
 
@@ -83,7 +84,7 @@ def test_qkv_is_grouped_per_query_group():
 def _hf_reference_outputs(hf, batch, temperature):
     from hybridflow.engines.torch_engine import TorchTrainEngine
 
-    engine = TorchTrainEngine(hf, TrainEngineSpec(micro_batch_size=4))
+    engine = TorchTrainEngine(hf, TorchTrainSpec(micro_batch_size=4))
     return engine.forward(batch, temperature)
 
 
@@ -188,7 +189,7 @@ def _check_train_steps(rank, world, port, tp, pp, dp, grad_clip, backend="gloo")
     lr = 1e-3
     optim = OptimSpec(lr=lr, betas=(0.9, 0.99), warmup_steps=1, grad_clip=grad_clip)
     hf = tiny_hf(tied=True)
-    reference = TorchTrainEngine(copy.deepcopy(hf), TrainEngineSpec(micro_batch_size=4, optim=optim))
+    reference = TorchTrainEngine(copy.deepcopy(hf), TorchTrainSpec(micro_batch_size=4, optim=optim))
     spec = TrainEngineSpec(
         engine="megatron", layout=ParallelLayout(tp=tp, pp=pp), micro_batch_size=2, optim=optim
     )

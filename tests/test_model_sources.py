@@ -25,7 +25,8 @@ from hybridflow.engines.models import (
     package_file,
 )
 from hybridflow.engines.torch_engine import TorchTrainEngine
-from hybridflow.spec.graph import ModelSource, TrainEngineSpec
+from hybridflow.spec.engines import TorchTrainSpec
+from hybridflow.spec.graph import ModelSource
 
 # Head size 32: the smallest vLLM's CPU attention takes. Two query heads over one KV head (GQA).
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
@@ -71,7 +72,7 @@ def test_family_through_torch_engine_and_transformers_rollout(family_dir):
     assert batch[K.RESPONSES].shape == (6, 5)
     # The engine packs sequences (its probe refuses a family whose packed forward mixes them);
     # its log-probs are the rollout's.
-    engine = TorchTrainEngine(model, TrainEngineSpec(micro_batch_size=4, optim={"lr": 1e-2}))
+    engine = TorchTrainEngine(model, TorchTrainSpec(micro_batch_size=4, optim={"lr": 1e-2}))
     out = engine.forward(batch)
     mask = batch[K.RESPONSE_MASK].bool()
     assert (out["log_probs"][mask] - batch[K.ROLLOUT_LOG_PROBS][mask]).abs().max() < 1e-4
@@ -94,7 +95,7 @@ VLLM_FAMILIES = [f for f in FAMILIES if f != "qwen2"]
 @pytest.mark.parametrize("family", VLLM_FAMILIES)
 def test_family_through_vllm_rollout(family, tmp_path):
     """vLLM loads the directory as it is and decodes greedily what transformers decodes."""
-    from hybridflow.engines.vllm_rollout import VLLMRolloutEngine
+    from hybridflow.engines.vllm import VLLMRolloutEngine
 
     directory = save_family(family, tmp_path)
     tokenizer = get_task("copy").tokenizer()

@@ -156,7 +156,7 @@ def _driver(address: str, run_dir: str) -> None:
 
     from hybridflow.controller.trainer import Trainer
     from hybridflow.graph.dag import load_graph
-    from hybridflow.placement.pools import ResourcePool
+    from hybridflow.workers.pools import ResourcePool
     from hybridflow.spec.pool import PoolSpec
     from hybridflow.workers.base import Worker
     from hybridflow.workers.group import WorkerGroup

@@ -13,6 +13,7 @@ from hybridflow.engines.hf_rollout import HFRolloutEngine
 from hybridflow.engines.models import build_causal_lm, build_value_model
 from hybridflow.engines.packing import pack, pack_shared_prompts, shared_prompts_cheaper
 from hybridflow.engines.torch_engine import TorchTrainEngine, check_packing
+from hybridflow.spec.engines import TorchTrainSpec
 from hybridflow.spec.graph import ModelSource, OptimSpec, TrainEngineSpec
 
 PAD, EOS, VOCAB = 0, 1, 12
@@ -133,7 +134,7 @@ def _engines(kind: str, switch: str = "remove_padding", **spec):
     return [
         TorchTrainEngine(
             build(TINY, VOCAB, PAD, EOS, seed=2),
-            TrainEngineSpec(**{switch: on}, optim=OptimSpec(grad_clip=None), **spec),
+            TorchTrainSpec(**{switch: on}, optim=OptimSpec(grad_clip=None), **spec),
             kind=kind,
         )
         for on in (False, True)
@@ -212,8 +213,8 @@ def test_a_model_that_ignores_packing_is_refused():
     check_packing(other)
     assert calls == []
     with pytest.raises(ValueError, match="does not keep packed sequences apart.*remove_padding: false"):
-        TorchTrainEngine(_IgnoresPositions(model), TrainEngineSpec())
-    TorchTrainEngine(_IgnoresPositions(model), TrainEngineSpec(remove_padding=False))  # padded: fine
+        TorchTrainEngine(_IgnoresPositions(model), TorchTrainSpec())
+    TorchTrainEngine(_IgnoresPositions(model), TorchTrainSpec(remove_padding=False))  # padded: fine
 
 
 def _head_inputs(engine: TorchTrainEngine) -> list[torch.Size]:
@@ -234,7 +235,7 @@ def test_a_large_vocabulary_gathers_the_tail_before_the_head(chunk):
     engines = [
         TorchTrainEngine(
             build_causal_lm(TINY, GATHER_BEFORE_HEAD_VOCAB, PAD, EOS, seed=2),
-            TrainEngineSpec(
+            TorchTrainSpec(
                 remove_padding=packed, micro_batch_size=5, optim=OptimSpec(grad_clip=None),
                 logits_chunk_tokens=None if not packed else chunk,
             ),
@@ -271,7 +272,7 @@ def test_bfloat16_compute_keeps_float32_state(remove_padding):
     engines = [
         TorchTrainEngine(
             build_causal_lm(TINY, VOCAB, PAD, EOS, seed=2),
-            TrainEngineSpec(remove_padding=remove_padding, micro_batch_size=5, compute_dtype=dtype),
+            TorchTrainSpec(remove_padding=remove_padding, micro_batch_size=5, compute_dtype=dtype),
         )
         for dtype in ("float32", "bfloat16")
     ]
@@ -293,7 +294,7 @@ def test_bfloat16_compute_keeps_float32_state(remove_padding):
 
 
 def test_bfloat16_compute_is_refused_for_megatron():
-    with pytest.raises(ValueError, match="compute_dtype 'bfloat16' is for train.engine 'torch'"):
+    with pytest.raises(ValueError, match="compute_dtype is for train.engine 'torch'"):
         TrainEngineSpec(engine="megatron", compute_dtype="bfloat16")
 
 
@@ -302,7 +303,7 @@ def _shared_engines(kind: str, vocab: int, micro_batch_size: int):
     return [
         TorchTrainEngine(
             build(TINY, vocab, PAD, EOS, seed=2),
-            TrainEngineSpec(
+            TorchTrainSpec(
                 remove_padding=False, share_prompts=share, micro_batch_size=micro_batch_size,
                 optim=OptimSpec(grad_clip=None),
             ),
@@ -353,8 +354,8 @@ class _Ignores4DMask(torch.nn.Module):
 def test_a_model_that_ignores_a_4d_mask_is_refused_for_shared_prompts():
     model = build_causal_lm(TINY, VOCAB, PAD, EOS, seed=2)
     with pytest.raises(ValueError, match="train.share_prompts: .* set share_prompts: false"):
-        TorchTrainEngine(_Ignores4DMask(model), TrainEngineSpec(share_prompts=True))
-    TorchTrainEngine(_Ignores4DMask(model), TrainEngineSpec())  # plain packing: fine
+        TorchTrainEngine(_Ignores4DMask(model), TorchTrainSpec(share_prompts=True))
+    TorchTrainEngine(_Ignores4DMask(model), TorchTrainSpec())  # plain packing: fine
 
 
 def test_share_prompts_is_refused_for_megatron():

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from hybridflow.data.tasks import get_task
-from hybridflow.placement.pools import ResourcePool
+from hybridflow.workers.pools import ResourcePool
 from hybridflow.spec.layout import ParallelLayout
 from hybridflow.spec.pool import PoolSpec
 from hybridflow.workers.group import WorkerGroup
@@ -26,59 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # A model big enough that its weights and optimizer state show next to the process's baseline.
 BIGGER = [f"models.{m}.source.config.{k}={v}" for m in ("actor", "ref")
           for k, v in (("hidden_size", 256), ("num_hidden_layers", 4))]
-
-def _engine(device: str):
-    """A real torch train engine with AdamW state (after one step): what Colocation moves."""
-    import torch
-
-    from hybridflow.engines.torch_engine import TorchTrainEngine
-    from hybridflow.spec.graph import TrainEngineSpec
-
-    engine = TorchTrainEngine(torch.nn.Linear(64, 64).to(device), TrainEngineSpec(remove_padding=False))
-    engine.module(torch.ones(2, 64, device=device)).sum().backward()
-    engine.optimizer.step()
-    return engine
-
-
-def _devices(engine) -> set[str]:
-    tensors = [*engine.module.parameters()]
-    tensors += [v for st in engine.optimizer.state.values() for k, v in st.items() if k != "step"]
-    return {t.device.type for t in tensors}
-
-
-def test_colocation_on_cpu_switches_without_moving():
-    from hybridflow.workers.colocation import Colocation
-
-    engines = {"actor": _engine("cpu"), "ref": _engine("cpu")}
-    colocation = Colocation(engines)
-    colocation.activate("actor")
-    colocation.activate("actor")  # already active: nothing to do
-    colocation.activate("ref")
-    stats = colocation.stats()
-    assert stats["activations"] == 2 and stats["offloads"] == 2 and stats["active"] == "ref"
-    assert stats["bytes_offloaded"] == stats["bytes_reloaded"] == 0
-
-
-@pytest.mark.gpu
-def test_colocation_on_gpu_offloads_the_idle_model():
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from hybridflow.workers.colocation import Colocation
-
-    engines = {"actor": _engine("cuda"), "ref": _engine("cuda")}
-    colocation = Colocation(engines)
-    colocation.activate("actor")
-    assert _devices(engines["actor"]) == {"cuda"} and _devices(engines["ref"]) == {"cpu"}
-    per_model = (64 * 64 + 64) * 4 * 3  # weights + Adam exp_avg + exp_avg_sq, fp32
-    assert colocation.stats()["bytes_offloaded"] == per_model
-    colocation.activate("ref")
-    assert _devices(engines["actor"]) == {"cpu"} and _devices(engines["ref"]) == {"cuda"}
-    assert colocation.stats()["bytes_reloaded"] == per_model
-    engines["ref"].module(torch.ones(1, 64, device="cuda")).sum().backward()
-    engines["ref"].optimizer.step()  # the optimizer still works after the round trip
-
 
 def _group(graph, models: list[str], tokenizer_dir: Path, name: str) -> WorkerGroup:
     pool = ResourcePool(name, PoolSpec(devices_per_node=1, cpus_per_device=0.5))

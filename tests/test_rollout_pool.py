@@ -202,13 +202,13 @@ def test_streaming_with_partial_rollouts_resumes_generations_on_new_weights(ray_
     pytest.importorskip("vllm")
     import ray
 
-    from hybridflow.controller.trainer import Trainer
+    from fault_hooks import FaultyTrainer
 
     overrides = [*SHORT, "trainer.iterations=3", "trainer.async.mode=streaming", "trainer.async.max_staleness=2",
                  "trainer.async.partial_rollout=abort", "models.actor.rollout.engine=vllm",
                  "models.actor.rollout.sync_bucket_mb=0.1"]
 
-    class SlowDecoding(Trainer):
+    class SlowDecoding(FaultyTrainer):
         def _start_groups(self):
             super()._start_groups()
             ray.get(self.groups["rollout"].call("inject_step_delay", model="actor", seconds=0.2))

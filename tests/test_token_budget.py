@@ -19,6 +19,7 @@ from hybridflow.engines.packing import token_budget_micro_batches
 from hybridflow.engines.torch_engine import TorchTrainEngine
 from hybridflow.graph.batching import batch_plan
 from hybridflow.graph.dag import load_graph
+from hybridflow.spec.engines import TorchTrainSpec
 from hybridflow.spec.graph import ModelSource, OptimSpec, TrainEngineSpec
 from hybridflow.spec.loading import SpecError
 
@@ -86,7 +87,7 @@ def _loss(mode: str):
 
 
 def _engine(remove_padding: bool, **cut) -> TorchTrainEngine:
-    spec = TrainEngineSpec(remove_padding=remove_padding, optim=OptimSpec(grad_clip=None), **cut)
+    spec = TorchTrainSpec(remove_padding=remove_padding, optim=OptimSpec(grad_clip=None), **cut)
     engine = TorchTrainEngine(build_causal_lm(TINY, VOCAB, PAD, EOS, seed=2), spec)
     engine.optimizer = torch.optim.SGD(engine.module.parameters(), lr=1.0)  # weights move by -grad
     return engine

@@ -26,7 +26,7 @@ from tensordict import NonTensorStack, TensorDict  # noqa: E402
 from hybridflow.data import keys as K  # noqa: E402
 from hybridflow.data.tokenizer import build_char_tokenizer  # noqa: E402
 from hybridflow.engines.base import SamplingParams  # noqa: E402
-from hybridflow.engines.vllm_rollout import CPU_KV_BLOCK  # noqa: E402
+from hybridflow.engines.vllm import CPU_KV_BLOCK  # noqa: E402
 from hybridflow.spec.pool import PoolSpec  # noqa: E402
 from hybridflow.workers.base import Worker  # noqa: E402
 from hybridflow.workers.protocols import Dispatch, register  # noqa: E402
@@ -68,8 +68,9 @@ class VLLMProbeWorker(Worker):
         from hybridflow.engines.hf_rollout import HFRolloutEngine
         from hybridflow.engines.models import build_causal_lm
         from hybridflow.engines.torch_engine import TorchTrainEngine
-        from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, save_for_vllm
-        from hybridflow.spec.graph import ModelSource, OptimSpec, TrainEngineSpec
+        from hybridflow.engines.vllm import VLLMRolloutEngine, save_for_vllm
+        from hybridflow.spec.engines import TorchTrainSpec
+        from hybridflow.spec.graph import ModelSource, OptimSpec
 
         self.tokenizer = build_char_tokenizer(ALPHABET)
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
@@ -78,7 +79,7 @@ class VLLMProbeWorker(Worker):
             ModelSource(config=TINY_VLLM), len(self.tokenizer), pad, eos, seed=0, dtype=dtype
         ).to(device)
         # A large step: one update must change the greedy tokens.
-        spec = TrainEngineSpec(micro_batch_size=8, optim=OptimSpec(lr=0.05, grad_clip=None))
+        spec = TorchTrainSpec(micro_batch_size=8, optim=OptimSpec(lr=0.05, grad_clip=None))
         self.train = TorchTrainEngine(module, spec, total_steps=10)
         self.hf = HFRolloutEngine(module, eos_id=eos, pad_id=pad)
         self.module = module
@@ -194,7 +195,7 @@ class VLLMProbeWorker(Worker):
         """Engine steps of one generate call of ``prompts`` x ``n`` samples of ``max_new`` tokens
         each, on an engine built as workers build theirs (``max_num_seqs`` = the samples, prompts
         shorter than a KV block) and on the probe's own (vLLM's defaults)."""
-        from hybridflow.engines.vllm_rollout import VLLMRolloutEngine
+        from hybridflow.engines.vllm import VLLMRolloutEngine
 
         built = VLLMRolloutEngine.build(self.module, self.tokenizer, max_model_len=16, max_num_seqs=prompts * n, seed=0,
                                         shared_prefix_len=8)
@@ -287,7 +288,7 @@ def _plain_log_probs(module, batch: TensorDict) -> torch.Tensor:
 @contextlib.contextmanager
 def _probe_group(device: str, dtype: str = "float32", enforce_eager: bool = True):
     """The probe's ranks (2 on CPU, DDP over gloo; 1 on GPU), shut down afterwards."""
-    from hybridflow.placement.pools import ResourcePool
+    from hybridflow.workers.pools import ResourcePool
     from hybridflow.workers.group import WorkerGroup
 
     spec = PoolSpec(devices_per_node=1 if device == "gpu" else 2, device=device, cpus_per_device=1)
@@ -459,8 +460,9 @@ def _rows(run_dir) -> list[dict]:
 def test_stale_weights_stop_the_run(ray_session, tmp_path):
     """Weight syncs skipped from iteration 2 on: iteration 3 generates from iteration-1 weights and
     its update's consistency check stops the run with one clear line."""
+    from fault_hooks import FaultyTrainer
+
     from hybridflow.controller.recovery import RunStopped
-    from hybridflow.controller.trainer import Trainer
     from hybridflow.graph.dag import load_graph
 
     overrides = [
@@ -468,7 +470,7 @@ def test_stale_weights_stop_the_run(ray_session, tmp_path):
         "data.prompts_per_iteration=4", "models.actor.rollout.n=4",
         "models.actor.rollout.log_prob_tolerance=0.001",
     ]
-    trainer = Trainer(load_graph(GRPO, overrides), run_dir=str(tmp_path / "run"))
+    trainer = FaultyTrainer(load_graph(GRPO, overrides), run_dir=str(tmp_path / "run"))
 
     def stale_after_first(t, iteration, metrics):
         if iteration == 1:
@@ -487,6 +489,9 @@ def test_stale_weights_stop_the_run(ray_session, tmp_path):
     # Iterations 1 and 2 generated from the weights being trained: agreement to float rounding.
     rows = _rows(tmp_path / "run")
     assert [r["iteration"] for r in rows] == [1, 2]
+    # Colocation puts vLLM to sleep after each generation and wakes it before the next (no sleep
+    # mode on CPU: counted only), on both ranks.
+    assert [(r["colocation/rollout_offloads"], r["colocation/rollout_reloads"]) for r in rows] == [(2, 0), (2, 2)]
     for row in rows:
         assert row["actor/rollout_log_prob_diff_mean"] < 1e-5
         assert row["actor/rollout_log_prob_diff_max"] < 1e-4

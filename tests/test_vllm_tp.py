@@ -22,7 +22,7 @@ from megatron_harness import init_dist, spawn, stage_bytes, tiny_hf  # noqa: E40
 from tensordict import TensorDict  # noqa: E402
 
 from hybridflow.data import keys as K  # noqa: E402
-from hybridflow.engines.vllm_rollout import _load_vocab_rows, check_tp_group  # noqa: E402
+from hybridflow.engines.vllm import load_vocab_rows, check_tp_group  # noqa: E402
 
 TG = 2
 VOCAB = 128  # vLLM pads to 64 and splits evenly: 64 rows per rank, as the shards have
@@ -53,7 +53,7 @@ def hf_reference(model, prompts: torch.Tensor, responses: torch.Tensor) -> tuple
 def _rank(rank: int, world: int, port: int) -> None:
     init_dist(rank, world, port)
     from hybridflow.engines.base import SamplingParams
-    from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, save_for_vllm
+    from hybridflow.engines.vllm import VLLMRolloutEngine, save_for_vllm
 
     config = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=2, num_key_value_heads=2)
     model_a, model_b = tiny_hf(seed=0, **config), tiny_hf(seed=1, **config)
@@ -128,10 +128,10 @@ def test_tp_group_must_be_consecutive_ranks():
 
 def test_vocab_shard_must_be_the_partition():
     param = torch.empty(64, 8)
-    _load_vocab_rows(param, torch.ones(64, 8))
+    load_vocab_rows(param, torch.ones(64, 8))
     assert bool((param == 1).all())
     with pytest.raises(ValueError, match="vocab_size"):
-        _load_vocab_rows(param, torch.ones(50, 8))  # vocab 100 at tg 2: vLLM pads to 128
+        load_vocab_rows(param, torch.ones(50, 8))  # vocab 100 at tg 2: vLLM pads to 128
 
 
 def _megatron_rank(rank: int, world: int, port: int, pp: int, backend: str = "gloo") -> None:
@@ -153,7 +153,7 @@ def _megatron_rank(rank: int, world: int, port: int, pp: int, backend: str = "gl
     init_dist(rank, world, port, backend)
     from hybridflow.engines.base import SamplingParams
     from hybridflow.engines.megatron import MegatronTrainEngine
-    from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, save_for_vllm
+    from hybridflow.engines.vllm import VLLMRolloutEngine, save_for_vllm
     from hybridflow.hybrid_engine.sync import ReshardedSync
     from hybridflow.spec.graph import TrainEngineSpec
     from hybridflow.spec.layout import ParallelLayout

@@ -314,7 +314,7 @@ import ray  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from ray import cloudpickle  # noqa: E402
 
-from hybridflow.placement.pools import PoolUnavailableError, ResourcePool  # noqa: E402
+from hybridflow.workers.pools import PoolUnavailableError, ResourcePool  # noqa: E402
 from hybridflow.workers.base import Worker  # noqa: E402
 from hybridflow.workers.group import WorkerGroup  # noqa: E402
 

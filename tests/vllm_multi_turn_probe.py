@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from hybridflow.data.tasks import TASKS  # noqa: E402
 from hybridflow.engines.base import SamplingParams  # noqa: E402
 from hybridflow.engines.models import build_causal_lm  # noqa: E402
-from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, save_for_vllm  # noqa: E402
+from hybridflow.engines.vllm import VLLMRolloutEngine, save_for_vllm  # noqa: E402
 from hybridflow.envs.base import env_factory  # noqa: E402
 from hybridflow.envs.rollout import TurnLimits, episode_fields, make_episodes, run_episodes, unpadded  # noqa: E402
 from hybridflow.spec.graph import ModelSource  # noqa: E402

@@ -62,7 +62,7 @@ def sampler_part() -> dict:
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
     from vllm.v1.sample.sampler import Sampler
 
-    from hybridflow.engines.vllm_rollout import vllm_logprobs_mode
+    from hybridflow.engines.vllm import vllm_logprobs_mode
 
     torch.manual_seed(0)
     base = base_logits()
@@ -96,7 +96,7 @@ def engine_part() -> dict:
     from hybridflow.data.tasks import get_task
     from hybridflow.engines.base import SamplingParams
     from hybridflow.engines.models import build_causal_lm
-    from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, save_for_vllm
+    from hybridflow.engines.vllm import VLLMRolloutEngine, save_for_vllm
     from hybridflow.spec.graph import ModelSource
 
     tokenizer = get_task("copy").tokenizer()

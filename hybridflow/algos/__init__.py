@@ -39,6 +39,12 @@ from hybridflow.algos.losses import (
     ppo_clip_policy_loss,
     token_mean,
 )
+from hybridflow.algos.preference import (
+    bradley_terry_loss,
+    pairwise_metrics,
+    safe_rlhf_cost_loss,
+)
+from hybridflow.algos.running_moments import RunningMoments
 from hybridflow.algos.rollout_correction import (
     IS_LEVELS,
     Correction,
@@ -49,6 +55,7 @@ from hybridflow.algos.rollout_correction import (
 from hybridflow.algos.registry import (
     ADV_ESTIMATORS,
     LOSS_AGGS,
+    PAIR_LOSSES,
     POLICY_LOSSES,
     Registry,
     UnknownNameError,
@@ -79,6 +86,11 @@ __all__ = [
     "zero_without_groups",
     "KL_ESTIMATORS",
     "LOSS_AGGS",
+    "PAIR_LOSSES",
+    "RunningMoments",
+    "bradley_terry_loss",
+    "pairwise_metrics",
+    "safe_rlhf_cost_loss",
     "POLICY_LOSSES",
     "KLEstimator",
     "Registry",

@@ -64,3 +64,4 @@ class Registry(Generic[F]):
 ADV_ESTIMATORS: Registry = Registry("advantage estimator")
 POLICY_LOSSES: Registry = Registry("policy loss")
 LOSS_AGGS: Registry = Registry("loss aggregation")
+PAIR_LOSSES: Registry = Registry("pairwise loss")  # scalar models trained from preference pairs

@@ -1,7 +1,7 @@
 """``hybridflow eval``: greedy accuracy and pass@k of an actor on a graph's validation split.
 
     hybridflow eval GRAPH [key.path=value ...] [--actor DIR] [--k K] [--samples N]
-                          [--limit N] [--json FILE] [--engine hf|vllm]
+                          [--limit N] [--json FILE] [--engine NAME]
 
 The actor is the graph's base actor (its ``source``), or ``--actor DIR``: a saved actor (the
 ``actor/`` directory a run writes, or any HF directory), a run directory (its ``actor/``, or
@@ -30,13 +30,15 @@ Printed as a table; ``--json FILE`` writes the same numbers (and per-prompt resu
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
+
+from hybridflow.spec.engines import engine_names, engine_record
+from hybridflow.spec.graph import RolloutSpec
 
 THRESHOLD = 1.0
 # A saved actor: an HF model directory, or a LoRA actor's adapters (peft's files).
@@ -52,7 +54,7 @@ def add_parser(sub) -> None:
     ev.add_argument("--samples", type=int, help="sampled responses per prompt, >= k (default k)")
     ev.add_argument("--limit", type=int, help="score only the first N prompts")
     ev.add_argument("--threshold", type=float, default=THRESHOLD, help="score that counts as correct")
-    ev.add_argument("--engine", choices=["hf", "vllm"], help="rollout engine (default: the actor's)")
+    ev.add_argument("--engine", choices=engine_names("rollout"), help="rollout engine (default: the actor's)")
     ev.add_argument("--json", dest="json_out", help="also write the results as JSON here")
     ev.set_defaults(func=cmd_eval)
 
@@ -135,7 +137,7 @@ def evaluate(
     spec = graph.spec
     actor_name = graph.actor
     actor_spec = spec.models[actor_name]
-    score_node = next((n for n in graph.nodes if n.op == "score"), None)
+    score_node = next((n for n in graph.nodes if graph.op(n).scores), None)
     if score_node is None:
         raise SpecError(graph.file, "nodes", "eval needs a score node to grade responses")
     reward_spec = spec.models[score_node.model]
@@ -165,11 +167,13 @@ def evaluate(
         elif directory is not None:
             source = source.model_copy(update={"config": None, "path": str(directory), "gguf": None, "package": None})
     rollout = actor_spec.rollout
-    engine = engine or (rollout.engine if rollout is not None else "hf")
+    engine = engine or (rollout.engine if rollout is not None else RolloutSpec.model_fields["engine"].default)
     temperature = rollout.temperature if rollout else 1.0
+    if engine_record("rollout", engine).caps.standalone is None:
+        raise SpecError(graph.file, "--engine", f"rollout engine {engine!r} generates only inside a worker")
     trained = None if checkpoint is None else (checkpoint, actor_name)
     generate = _generator(engine, source, tokenizer, spec, temperature, trained, adapters,
-                          actor_spec.train.lora)
+                          actor_spec.train.adapters)
 
     from hybridflow.engines.base import SamplingParams
 
@@ -265,43 +269,9 @@ def _generator(engine: str, source, tokenizer, spec, temperature: float, trained
             return peft.merge_and_unload()
         return module
 
-    if engine == "vllm":
-        from hybridflow.engines.vllm_rollout import VLLMRolloutEngine, save_for_vllm
-
-        directory = model_dir(source) if trained is None and adapters is None else None
-        scratch = None
-        if directory is None:  # config-built or checkpoint weights: written for vLLM to start from
-            module = build()
-            scratch = tempfile.mkdtemp(prefix="hybridflow-eval-")
-            directory = save_for_vllm(module, tokenizer, scratch)
-        try:
-            rollout = VLLMRolloutEngine(
-                directory, eos_id=eos_id, pad_id=pad_id,
-                max_model_len=spec.data.max_prompt_length + spec.data.max_response_length,
-                seed=spec.trainer.seed, kv_cache_bytes=256 << 20, temperature=temperature,
-                progress=True,
-            )
-        finally:
-            if scratch:
-                shutil.rmtree(scratch, ignore_errors=True)
-        return rollout.generate
-
-    from hybridflow.engines.hf_rollout import HFRolloutEngine
-
-    import torch
-
-    torch.manual_seed(spec.trainer.seed)
-    rollout = HFRolloutEngine(build(), eos_id=eos_id, pad_id=pad_id)
-
-    def generate(prompts, params, chunk: int = 32):
-        from tqdm import tqdm
-
-        num = prompts.batch_size[0]
-        parts = []
-        with tqdm(total=num, desc="greedy" if params.greedy else f"{params.n} samples", unit="prompt") as bar:
-            for i in range(0, num, chunk):
-                parts.append(rollout.generate(prompts[i : i + chunk], params))
-                bar.update(min(chunk, num - i))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-    return generate
+    module, _, function = engine_record("rollout", engine).caps.standalone.partition(":")
+    return getattr(importlib.import_module(module), function)(
+        build, tokenizer, source_dir=lambda: model_dir(source) if trained is None and adapters is None else None,
+        max_model_len=spec.data.max_prompt_length + spec.data.max_response_length,
+        seed=spec.trainer.seed, temperature=temperature,
+    )

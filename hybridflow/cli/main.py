@@ -1,7 +1,7 @@
 """``hybridflow``: run, validate and draw graph files.
 
     hybridflow run graphs/grpo.yaml [key.path=value ...] [--pools FILE] [--address ADDR]
-                                    [--run-dir DIR] [--resume]
+                                    [--run-dir DIR] [--resume] [--verbose]
     hybridflow serve-reward MODULE:FUNCTION [--host H] [--port P] [--max-request-bytes N]
                             [--ray-serve [--replicas N] [--replica-cpus C] [--address ADDR]]
     hybridflow validate graphs/*.yaml [key.path=value ...] [--pools FILE]
@@ -37,6 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--address", help="join this Ray cluster instead of starting a local one")
     run.add_argument("--run-dir", help="write the run here (default: trainer.save_dir)")
     run.add_argument(
+        "--verbose", action="store_true",
+        help="show the workers' own output (library warnings, engine logs) on the console; "
+        "without it that goes to RUN_DIR/workers.log",
+    )
+    run.add_argument(
         "--resume", action="store_true",
         help="continue the run in --run-dir (default: the newest under trainer.save_dir) from its "
         "newest complete checkpoint",
@@ -50,14 +55,14 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("--pools", help="resource-pool file to validate placement against")
 
     graph = sub.add_parser("graph", help="print a graph's nodes, keys and placement")
-    graph.add_argument("graph")
-    graph.add_argument("overrides", nargs="*")
+    graph.add_argument("graph", help="graph YAML file")
+    graph.add_argument("overrides", nargs="*", help="dotted overrides, as for `run`")
     graph.add_argument("--out", help="also draw the DAG into this image (png, svg, pdf); needs the `plot` extra")
     graph.add_argument("--pools", help="resource-pool file (default: the graph's `resources`)")
 
     plan = sub.add_parser("plan", help="auto-map a graph onto a pool: placement, layouts, times")
-    plan.add_argument("graph")
-    plan.add_argument("overrides", nargs="*")
+    plan.add_argument("graph", help="graph YAML file")
+    plan.add_argument("overrides", nargs="*", help="dotted overrides, as for `run`")
     plan.add_argument("--pool", help="pool file (default: the graph's `resources`); plans on its first pool")
     plan.add_argument("--model-size", choices=["7b", "13b", "34b", "70b"],
                       help="plan every weighted model as this Llama size, with tp/pp layouts")
@@ -67,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     schema.add_argument("kind", nargs="?", choices=["graph", "pool"], help="print one schema to stdout")
     schema.add_argument("--out-dir", help="write graph.schema.json and pool.schema.json here")
 
-    docs = sub.add_parser("docs", help="regenerate the reference docs and schemas under docs/")
+    docs = sub.add_parser("docs", help="regenerate the reference docs (graph and pool files, the CLI) and schemas under docs/")
     docs.add_argument("--out-dir", default="docs")
     docs.add_argument("--check", action="store_true", help="exit 1 if the docs are stale")
 
@@ -128,7 +133,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from hybridflow.graph.dag import build_graph
     from hybridflow.placement.automapper import plan_dp, plan_even_batch
-    from hybridflow.spec.loading import load_graph_spec
+    from hybridflow.graph.plugins import load_graph_spec
 
     # The batch is checked against the plan's layouts, not the whole pool's: plan_even_batch.
     spec = load_graph_spec(args.graph, args.overrides)
@@ -171,7 +176,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     graph = load_graph(args.graph, args.overrides, pools_file=args.pools, planner=auto_placement)
     from hybridflow.controller.trainer import Trainer
 
-    trainer = Trainer(graph, address=args.address, run_dir=args.run_dir, resume=args.resume)
+    trainer = Trainer(graph, address=args.address, run_dir=args.run_dir, resume=args.resume, verbose=args.verbose)
     print(format_summary(trainer.fit()))
     return 0
 
@@ -210,15 +215,21 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
 
 def _cmd_docs(args: argparse.Namespace) -> int:
+    from hybridflow.cli.reference import cli_reference_path, render_cli_reference
     from hybridflow.spec.docgen import stale_files, write_all
 
+    cli_md, cli_text = cli_reference_path(args.out_dir), render_cli_reference()
     if args.check:
-        stale = stale_files(args.out_dir)
-        for rel in stale:
-            print(f"stale: {args.out_dir}/{rel} (run `hybridflow docs`)", file=sys.stderr)
+        stale = [f"{args.out_dir}/{rel}" for rel in stale_files(args.out_dir)]
+        if not cli_md.is_file() or cli_md.read_text() != cli_text:
+            stale.append(str(cli_md))
+        for path in stale:
+            print(f"stale: {path} (run `hybridflow docs`)", file=sys.stderr)
         return 1 if stale else 0
     for path in write_all(args.out_dir):
         print(path)
+    cli_md.write_text(cli_text)
+    print(cli_md)
     return 0
 
 

@@ -45,7 +45,7 @@ import torch
 
 from hybridflow.controller.recovery import RunStopped
 from hybridflow.spec.loading import SpecError
-from hybridflow.workers.model_worker import NonFiniteWeightError
+from hybridflow.workers.errors import NonFiniteWeightError
 
 if TYPE_CHECKING:
     from hybridflow.controller.run_dir import RunDir
@@ -282,7 +282,7 @@ class Checkpointer:
 
     def _meta(self) -> dict:
         graph = self.graph
-        trained = dict.fromkeys(n.model for n in graph.nodes if n.op == "update")
+        trained = dict.fromkeys(n.model for n in graph.nodes if graph.op(n).trains)
         return {
             # every pool that runs something: a standalone rollout's ranks keep their sampling
             # RNG streams across a resume only when its pool is known to have kept its size

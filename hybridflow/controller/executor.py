@@ -59,6 +59,13 @@ RUN_OP = "run_op"  # the worker method every node is run through (ModelWorker.ru
 FETCHED_BYTES_METRIC = "controller/fetched_tensor_bytes"
 # Tensor bytes the workers fetched from / put into the object store, all nodes and ranks.
 TRANSFER_METRICS = {FETCHED_BYTES: "transfer/fetched_bytes", PUT_BYTES: "transfer/put_bytes"}
+# Counts every rank reports in an op's meta, summed over the ranks and nodes of an iteration:
+# the bytes moved through the object store, and the rollout engines colocation moved.
+COUNTED_METRICS = {
+    **TRANSFER_METRICS,
+    "rollout_offloads": "colocation/rollout_offloads",
+    "rollout_reloads": "colocation/rollout_reloads",
+}
 
 
 @dataclass
@@ -229,7 +236,7 @@ def run_refilling(
 
 def _additive(metric: str) -> bool:
     """Metrics that add up over the rounds of dynamic sampling (times, counts, bytes)."""
-    return metric.startswith(("timing/", "transfer/")) or metric in ("rollout/num_tokens", FETCHED_BYTES_METRIC)
+    return metric.startswith(("timing/", "transfer/", "colocation/")) or metric in ("rollout/num_tokens", FETCHED_BYTES_METRIC)
 
 
 def _add_round(first: IterationResult, later: IterationResult) -> IterationResult:
@@ -312,9 +319,9 @@ def _run(
             result.timeline.append(
                 {"node": node.name, "pool": graph.pool_of(node),
                  "rank": meta.get("rank", rank), "start": meta["t_start"], "end": meta["t_end"],
-                 **{key: meta.get(key, 0) for key in TRANSFER_METRICS}}
+                 **{key: meta.get(key, 0) for key in COUNTED_METRICS}}
             )
-    for key, metric in TRANSFER_METRICS.items():
+    for key, metric in COUNTED_METRICS.items():
         result.metrics[metric] = float(sum(event[key] for event in result.timeline))
     result.metrics[FETCHED_BYTES_METRIC] = float(fetched_tensor_bytes() - fetched_before)
     return result

@@ -4,6 +4,11 @@
 - ``console``: a line of the key metrics every ``trainer.log_interval`` iterations, written
   above the progress bar.
 - ``tensorboard`` (optional dependency): every metric as a scalar under ``RUN_DIR/tensorboard``.
+- ``wandb`` (optional dependency): every metric at step = iteration, the resolved graph as the
+  run's config; offline files under ``RUN_DIR/wandb`` unless ``WANDB_API_KEY`` is set.
+- ``mlflow`` (optional dependency): every metric at step = iteration, ``graph.yaml`` as an
+  artifact; ``MLFLOW_TRACKING_URI`` or a SQLite store under ``RUN_DIR/mlflow``. The run id is
+  kept in ``RUN_DIR/mlflow/run_id`` so that a resumed run continues the same MLflow run.
 - ``samples.jsonl``: every ``trainer.sample_interval`` iterations, a few generations decoded on
   the workers (prompt, response, reward) so a user can read what the model says.
 
@@ -14,13 +19,18 @@ workers' meta, never rollout tensors.
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
+import secrets
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from tqdm import tqdm
 
 from hybridflow.controller.metrics import JsonlLogger
-from hybridflow.spec.graph import TrainerSpec
+from hybridflow.spec.graph import TrackingSpec, TrainerSpec
 from hybridflow.spec.loading import SpecError
 
 # metric -> short name in the console line, in order
@@ -82,6 +92,112 @@ class TensorBoardLogger:
         self.writer.close()
 
 
+def _numeric(record: dict) -> dict[str, float]:
+    """The record's metrics a tracker takes: numbers, without the step itself."""
+    return {
+        key: float(value) for key, value in record.items()
+        if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+
+
+def _missing(file: str, name: str, package: str):
+    return SpecError(file, "trainer.loggers", f"'{name}' needs the {package} package: pip install 'hybridflow[{name}]'")
+
+
+class WandbLogger:
+    """Every numeric metric at step = iteration in a Weights & Biases run.
+
+    Without ``WANDB_API_KEY`` (and no ``WANDB_MODE`` of the user's) the run is offline: its files
+    stay under ``RUN_DIR/wandb`` for ``wandb sync`` later, and nothing touches the network."""
+
+    def __init__(self, run_dir: Path, file: str, tracking: TrackingSpec, project: str, config: dict):
+        try:
+            import wandb
+        except ImportError:
+            raise _missing(file, "wandb", "wandb") from None
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        (run_dir / "wandb").mkdir(exist_ok=True)
+        id_file = run_dir / "wandb" / "run_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
+        id_file.write_text(run_id)
+        self.run = wandb.init(
+            project=tracking.project or project, name=tracking.run_name or run_dir.name,
+            tags=list(tracking.tags), config=config, dir=str(run_dir), mode=mode, id=run_id,
+            resume="allow" if mode == "online" else None,
+            # console="off": wandb must not wrap the controller's stdout (the progress bar, the summary)
+            settings=wandb.Settings(console="off", quiet=True, silent=True, x_disable_stats=True),
+        )
+
+    def log(self, record: dict) -> None:
+        self.run.log(_numeric(record), step=int(record.get("iteration", 0)))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+# MLflow metric names: letters, digits, and _ - . / and space (anything else is replaced by _).
+_MLFLOW_BAD = re.compile(r"[^\w\-. /]")
+
+
+def mlflow_key(key: str) -> str:
+    """The name a metric of metrics.jsonl gets in MLflow."""
+    return _MLFLOW_BAD.sub("_", key)
+
+
+class MlflowLogger:
+    """Every numeric metric at step = iteration in one MLflow run, through MLflow's client.
+
+    The store is ``MLFLOW_TRACKING_URI`` if set, else SQLite at ``RUN_DIR/mlflow/mlflow.db``
+    (artifacts beside it). The run id is written to ``RUN_DIR/mlflow/run_id``: a resumed run
+    logs into the same MLflow run. After a resume or a recovery the iterations run again are
+    logged again at the same steps (MLflow cannot delete a point; the latest is the one shown)."""
+
+    BATCH = 1000  # MLflow's limit of metrics per log_batch call
+
+    def __init__(self, run_dir: Path, file: str, tracking: TrackingSpec, project: str, config_file: Path):
+        try:
+            from mlflow.entities import Metric
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise _missing(file, "mlflow", "mlflow") from None
+        # The store's schema migration logs a line per step at INFO: not the user's business.
+        for name in ("mlflow.store.db.utils", "alembic", "alembic.runtime.migration"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        self._metric = Metric
+        home = run_dir / "mlflow"
+        home.mkdir(exist_ok=True)
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(home / 'mlflow.db').resolve()}"
+        self.client = MlflowClient(tracking_uri=uri)
+        id_file = home / "run_id"
+        if id_file.exists():
+            self.run_id = id_file.read_text().strip()
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        name = tracking.project or project
+        experiment = self.client.get_experiment_by_name(name)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        elif "MLFLOW_TRACKING_URI" in os.environ:
+            experiment_id = self.client.create_experiment(name)
+        else:
+            experiment_id = self.client.create_experiment(name, artifact_location=(home / "artifacts").resolve().as_uri())
+        tags = {"hybridflow.run_dir": str(run_dir.resolve()), **{tag: "true" for tag in tracking.tags}}
+        run = self.client.create_run(experiment_id, run_name=tracking.run_name or run_dir.name, tags=tags)
+        self.run_id = run.info.run_id
+        id_file.write_text(self.run_id)
+        if config_file.is_file():
+            self.client.log_artifact(self.run_id, str(config_file))
+
+    def log(self, record: dict) -> None:
+        step, stamp = int(record.get("iteration", 0)), int(time.time() * 1000)
+        metrics = [self._metric(mlflow_key(k), v, stamp, step) for k, v in _numeric(record).items()]
+        for start in range(0, len(metrics), self.BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[start : start + self.BATCH])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
 class SampleWriter:
     """Appends ``{"iteration", "node", "prompt", "response", <score name>, ...}`` rows."""
 
@@ -130,14 +246,24 @@ def samples_from_metas(metas_by_node: dict[str, Iterable[dict]]) -> dict[str, li
 class RunLoggers:
     """The loggers a graph file chose, plus the always-on JSONL file and sample writer."""
 
-    def __init__(self, trainer: TrainerSpec, run_dir: Path, file: str, iterations: int | None = None):
+    def __init__(
+        self, trainer: TrainerSpec, run_dir: Path, file: str, iterations: int | None = None, name: str = "hybridflow"
+    ):
         iterations = iterations or trainer.iterations
         self.loggers: list = [JsonlLogger(run_dir / "metrics.jsonl")]
-        for name in dict.fromkeys(trainer.loggers):
-            if name == "console":
+        config_file = run_dir / "graph.yaml"  # the resolved graph, written before the loggers start
+        for logger in dict.fromkeys(trainer.loggers):
+            if logger == "console":
                 self.loggers.append(ConsoleLogger(trainer.log_interval, iterations))
-            elif name == "tensorboard":
+            elif logger == "tensorboard":
                 self.loggers.append(TensorBoardLogger(run_dir / "tensorboard", file))
+            elif logger == "wandb":
+                import yaml
+
+                config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
+                self.loggers.append(WandbLogger(run_dir, file, trainer.tracking, name, config))
+            elif logger == "mlflow":
+                self.loggers.append(MlflowLogger(run_dir, file, trainer.tracking, name, config_file))
         self.samples = SampleWriter(
             run_dir / "samples.jsonl", trainer.sample_interval, iterations, trainer.num_logged_samples
         )

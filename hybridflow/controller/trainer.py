@@ -10,7 +10,7 @@ One iteration (``fit`` -> ``_iterate`` -> ``step``), for any graph; grpo.yaml's 
                            metrics <----/
     validate()             every trainer.val_interval: greedy generate + score, held-out prompts
     nan_guard.observe()    counts updates skipped for a non-finite loss or gradient
-    logger.log()           metrics.jsonl, samples.jsonl, console / TensorBoard
+    logger.log()           metrics.jsonl, samples.jsonl, console / TensorBoard / wandb / MLflow
     callbacks, NaN guard   nan_tolerance skipped updates in a row: RunStopped
     checkpointer.save()    every trainer.save_interval: checkpoints/iter_N, atomic, layout-free
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -57,8 +58,9 @@ from hybridflow.data.datasets import DataError, PromptDataset, collate_prompts, 
 from hybridflow.graph.batching import batch_plan
 from hybridflow.graph.dag import SOURCE, Graph
 from hybridflow.hybrid_engine.consistency import RolloutMismatchError
-from hybridflow.placement.pools import ResourcePool, start_ray
+from hybridflow.workers.pools import ResourcePool, start_ray
 from hybridflow.rewards.rule import RewardError
+from hybridflow.spec.engines import caps_of
 from hybridflow.spec.loading import SpecError
 from hybridflow.workers.accounting import controller_get
 from hybridflow.workers.group import WorkerGroup
@@ -85,6 +87,8 @@ def _drop_unfetched_copies(cause: BaseException) -> None:
 class Trainer:
     """Runs a graph: ``fit()`` sets up, iterates, checkpoints, recovers and saves the actor.
 
+    ``verbose=False`` sends the workers' own output (library warnings and logs) to
+    ``RUN_DIR/workers.log`` instead of the console, where this process starts Ray.
     ``resume=True`` continues the run in ``run_dir`` (default: the newest run under
     ``trainer.save_dir`` that has a checkpoint) from its newest complete checkpoint.
     ``callbacks`` are called as ``cb(trainer, iteration, metrics)`` after each iteration's
@@ -92,8 +96,11 @@ class Trainer:
     ``extra_state`` maps names to objects with ``state_dict()``/``load_state_dict()`` that the
     controller keeps across iterations (a KL controller, a Lagrange multiplier); they are
     checkpointed and restored with the run. (Workers have the same hook:
-    ``ModelWorker.extra_state``.)
+    ``WorkerContext.extra_state``.) ``worker_cls``: the worker host class every pool runs
+    (tests install a subclass with fault hooks).
     """
+
+    worker_cls: type[ModelWorker] = ModelWorker
 
     def __init__(
         self,
@@ -101,8 +108,10 @@ class Trainer:
         address: str | None = None,
         run_dir: str | None = None,
         resume: bool = False,
+        verbose: bool = True,
     ):
         self.graph = graph
+        self.verbose = verbose
         self.spec = graph.spec
         self.address = address
         self.resume = resume
@@ -141,8 +150,10 @@ class Trainer:
             if self.resume and resume_from is None:
                 log.warning("--resume: %s has no complete checkpoint; starting from the beginning", self.run_dir)
             done = self._restore(resume_from, rewind=self.resume)
-            bar = tqdm(total=total, initial=done, desc=self.spec.name,
-                       disable=not self.spec.trainer.progress, dynamic_ncols=True)
+            # Redraws of a bar are noise in a log file or a pipe: there the console logger's
+            # line every log_interval iterations is the progress.
+            shown = self.spec.trainer.progress and sys.stdout.isatty() and sys.stderr.isatty()
+            bar = tqdm(total=total, initial=done, desc=self.spec.name, disable=not shown, dynamic_ncols=True)
             while done < last:
                 try:
                     metrics = self._iterate(done + 1)
@@ -252,13 +263,17 @@ class Trainer:
         # Generation ahead: the dataset's position before the buffered generations' prompts.
         self.checkpointer.components.update(dataset=self.ahead or self.dataset, guard=self.nan_guard)
         self.checkpointer.mark_start()
-        self.logger = RunLoggers(spec.trainer, self.run_dir, self.graph.file)
+        self.logger = RunLoggers(spec.trainer, self.run_dir, self.graph.file, name=spec.name)
         tqdm.write(batch_plan(spec, self.graph.layouts, self.graph.file).describe())
         for name, why in self.graph.redundant_nodes().items():
             tqdm.write(f"note: node {name!r} is redundant: {why}")
         if not self.address and not ray.is_initialized():
             mark_run()  # the local Ray about to start is this run's: it ends with the run
-        start_ray(self.address, self.graph.pools.values())
+        worker_log = start_ray(
+            self.address, self.graph.pools.values(), worker_log=None if self.verbose else self.dirs.path / "workers.log"
+        )
+        if worker_log is not None:
+            tqdm.write(f"workers' output (library warnings, engine logs): {worker_log}; --verbose shows it here")
         for pool_name in self.graph.used_pools():
             pool = ResourcePool(pool_name, self.graph.pools[pool_name])
             pool.create()
@@ -269,7 +284,7 @@ class Trainer:
         for pool in self.pools:
             pool_name = pool.name
             self.groups[pool_name] = WorkerGroup(
-                ModelWorker,
+                self.worker_cls,
                 pool,
                 init_kwargs={
                     "graph": self.graph,
@@ -292,8 +307,8 @@ class Trainer:
     def _slow_start(self, pool_name: str) -> bool:
         models = self.spec.models
         return any(
-            (models[m].rollout is not None and models[m].rollout.engine == "vllm")
-            or models[m].train.engine == "megatron"
+            (models[m].rollout is not None and caps_of(models[m].rollout).slow_start)
+            or caps_of(models[m].train).slow_start
             for m in self.graph.models_on(pool_name) + self.graph.rollouts_on(pool_name)
         )
 
@@ -332,7 +347,7 @@ class Trainer:
         scorers = [
             n
             for n in self.graph.nodes
-            if n.op == "score" and set(self.graph.producers(n).values()) <= {generate.name, SOURCE}
+            if self.graph.op(n).scores and set(self.graph.producers(n).values()) <= {generate.name, SOURCE}
         ]
         result: IterationResult = run_nodes(self.graph, [greedy, *scorers], self.groups, self._put(self.val_prompts))
         return {
@@ -400,9 +415,9 @@ class Trainer:
     # -- helpers ----------------------------------------------------------------------------
 
     def _put(self, batch) -> ShardedRef:
-        return ShardedRef(refs=[ray.put(batch)], sizes=[batch.batch_size[0]])
+        return ShardedRef.put(batch)
 
     def _total_optimizer_steps(self) -> int:
-        updates = [n for n in self.graph.nodes if n.op == "update"]
+        updates = [n for n in self.graph.nodes if self.graph.op(n).trains]
         per_iteration = max((n.spec.options.mini_batches * n.spec.options.epochs for n in updates), default=1)
         return self.spec.trainer.iterations * per_iteration

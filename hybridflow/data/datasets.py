@@ -163,6 +163,13 @@ def _builtin_rows(source: str, num: int, seed: int) -> list[dict]:
 
 def read_rows(path: str, field: str = "data.train_files") -> list[dict]:
     """The rows of one parquet or JSONL file, read with HF ``datasets`` and checked row by row."""
+    raw, wheres = read_records(path, field)
+    return [_row(obj, where, field) for obj, where in zip(raw, wheres)]
+
+
+def read_records(path: str, field: str = "data.train_files") -> tuple[list[dict], list[str]]:
+    """The raw records of one parquet, JSONL or JSON file (at least one), read with HF ``datasets``,
+    and where each came from (``FILE:LINE`` or ``FILE:row N``); no check of their fields."""
     if os.path.isdir(path):
         raise DataError(f"{shorten(path)}: is a directory, expected a .parquet, .jsonl or .json file ({field})", field)
     if not os.path.isfile(path):
@@ -177,7 +184,7 @@ def read_rows(path: str, field: str = "data.train_files") -> list[dict]:
         raise DataError(f"{path}: expected a .parquet, .jsonl or .json file ({field})", field)
     if not raw:
         raise DataError(f"{path}: expected at least one row, found none", field)
-    return [_row(obj, where, field) for obj, where in zip(raw, wheres)]
+    return raw, wheres
 
 
 def _quiet(datasets) -> None:
@@ -215,14 +222,15 @@ def _read_with_datasets(path: str, kind: str, field: str) -> list[dict]:
 
 
 def _read_jsonl(path: str, field: str) -> tuple[list[dict], list[str]]:
-    """JSONL rows and their ``FILE:LINE`` origins. Read with ``datasets``; where pyarrow
+    """JSONL rows and their ``FILE:LINE`` origins (a ``.json`` file may instead hold one array
+    of rows: ``FILE:row N``). Read with ``datasets``; where pyarrow
     cannot (a broken line, or a column whose type changes between rows), each line is parsed
     on its own, so a bad line is named and mixed types still load."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
-        raise DataError(f"{path}: cannot read prompt file ({e.strerror})", field) from None
+        raise DataError(f"{path}: cannot read data file ({e.strerror})", field) from None
     try:
         lines = raw.decode("utf-8").splitlines()
     except UnicodeDecodeError as e:
@@ -231,16 +239,20 @@ def _read_jsonl(path: str, field: str) -> tuple[list[dict], list[str]]:
         raise DataError(
             f"{path}:{line}: invalid UTF-8 at byte {column} of the line ({e.reason}); expected UTF-8 text", field
         ) from None
-    numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
-    wheres = [f"{path}:{n}" for n, _ in numbered]
-    parsed = []
-    for n, line in numbered:
-        try:
-            parsed.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{n}: expected valid JSON ({e.msg} at column {e.colno})", field) from None
-        if not isinstance(parsed[-1], dict):
-            raise DataError(f"{path}:{n}: expected a JSON object", field)
+    text = "\n".join(lines)
+    if path.endswith(".json") and text.lstrip().startswith("["):
+        parsed, wheres = _parse_json_array(text, path, field)
+    else:
+        numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
+        wheres = [f"{path}:{n}" for n, _ in numbered]
+        parsed = []
+        for n, line in numbered:
+            try:
+                parsed.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: expected valid JSON ({e.msg} at column {e.colno})", field) from None
+            if not isinstance(parsed[-1], dict):
+                raise DataError(f"{path}:{n}: expected a JSON object", field)
     if not parsed:
         return [], []
     try:
@@ -256,29 +268,50 @@ def _read_jsonl(path: str, field: str) -> tuple[list[dict], list[str]]:
     return [{k: v for k, v in row.items() if k in own} for row, own in zip(rows, parsed)], wheres
 
 
-def _row(obj: dict, where: str, field: str) -> dict:
-    """One checked row (module docstring) of a raw verl or short-schema record."""
-    prompt = obj.get("prompt")
+def _parse_json_array(text: str, path: str, field: str) -> tuple[list[dict], list[str]]:
+    """The rows of a ``.json`` file holding one array of objects (as many data sets are
+    downloaded), each named ``FILE:row N`` (0-based) like a parquet row."""
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: expected valid JSON ({e.msg} at column {e.colno})", field) from None
+    for i, row in enumerate(parsed):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:row {i}: expected a JSON object", field)
+    return parsed, [f"{path}:row {i}" for i in range(len(parsed))]
+
+
+def check_messages(messages: list, where: str, field: str, name: str) -> list[dict]:
+    """Chat messages as plain ``{role, content}`` dicts; ``DataError``
+    naming ``name[i]`` and its role or content when one is not such a message."""
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise DataError(f"{where}: {name}[{i}]: expected a {{role, content}} message", field)
+        if message.get("role") not in ROLES:
+            raise DataError(
+                f"{where}: {name}[{i}].role: expected one of {', '.join(ROLES)}, "
+                f"got {shorten(repr(message.get('role')))}",
+                field,
+            )
+        if not isinstance(message.get("content"), str):
+            raise DataError(f"{where}: {name}[{i}].content: expected a string", field)
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def check_prompt(prompt, where: str, field: str) -> str | list[dict]:
+    """A row's ``prompt``: a non-empty string, or chat messages (``check_messages``)."""
     if isinstance(prompt, str):
         if not prompt:
             raise DataError(f'{where}: prompt: expected a non-empty string', field)
-    elif isinstance(prompt, list) and prompt:
-        for i, message in enumerate(prompt):
-            if not isinstance(message, dict):
-                raise DataError(f"{where}: prompt[{i}]: expected a {{role, content}} message", field)
-            if message.get("role") not in ROLES:
-                raise DataError(
-                    f"{where}: prompt[{i}].role: expected one of {', '.join(ROLES)}, "
-                    f"got {shorten(repr(message.get('role')))}",
-                    field,
-                )
-            if not isinstance(message.get("content"), str):
-                raise DataError(f"{where}: prompt[{i}].content: expected a string", field)
-        prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
-    else:
-        raise DataError(
-            f'{where}: prompt: expected a string or a list of {{role, content}} messages', field
-        )
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        return check_messages(prompt, where, field, "prompt")
+    raise DataError(f'{where}: prompt: expected a string or a list of {{role, content}} messages', field)
+
+
+def _row(obj: dict, where: str, field: str) -> dict:
+    """One checked row (module docstring) of a raw verl or short-schema record."""
+    prompt = check_prompt(obj.get("prompt"), where, field)
     reward_model = obj.get("reward_model")
     if reward_model is not None:
         if not isinstance(reward_model, dict):
@@ -464,8 +497,11 @@ class PromptDataset:
     permutation drawn from a ``torch.Generator`` seeded from ``(seed, epoch)``, so the order
     depends only on those and ``state_dict()`` (epoch, position, next uid) resumes exactly.
     All prompts are tokenized and checked against ``max_prompt_length`` up front, so a bad
-    row stops the run before its first iteration.
+    row stops the run before its first iteration. A subclass serving other rows (preference
+    pairs) overrides ``_encode`` and ``_batch``; the order and resume state are the same.
     """
+
+    unit = "prompts"  # what a row is, for messages
 
     def __init__(
         self,
@@ -478,11 +514,11 @@ class PromptDataset:
         system_prompt: str | None = None,
     ) -> None:
         if not rows:
-            raise DataError("no training prompts, expected at least one row")
+            raise DataError(f"no training {self.unit}, expected at least one row")
         if prompts_per_iteration < 1:
-            raise ValueError(f"prompts_per_iteration must be >= 1, got {prompts_per_iteration}")
+            raise ValueError(f"{self.unit} per iteration must be >= 1, got {prompts_per_iteration}")
         self._rows = list(rows)
-        self._rendered = encode_prompts(self._rows, tokenizer, max_prompt_length, system_prompt)
+        self._rendered = self._encode(self._rows, tokenizer, max_prompt_length, system_prompt)
         self._pad_id = _pad_id(tokenizer)
         self.prompts_per_iteration = prompts_per_iteration
         self.shuffle = shuffle
@@ -513,9 +549,15 @@ class PromptDataset:
             picked.extend(self._order[self.position : self.position + take])
             self.position += take
         rows = [self._rows[i] for i in picked]
-        batch = _to_batch(rows, [self._rendered[i] for i in picked], self._pad_id, self.next_uid)
+        batch = self._batch(rows, [self._rendered[i] for i in picked], self.next_uid)
         self.next_uid += len(picked)
         return batch
+
+    def _encode(self, rows: list[dict], tokenizer, max_prompt_length: int, system_prompt: str | None) -> list:
+        return encode_prompts(rows, tokenizer, max_prompt_length, system_prompt)
+
+    def _batch(self, rows: list[dict], encoded: list, uid_start: int) -> TensorDict:
+        return _to_batch(rows, encoded, self._pad_id, uid_start)
 
     def state_dict(self) -> dict[str, int]:
         return {
@@ -528,8 +570,8 @@ class PromptDataset:
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["num_rows"] != len(self._rows):
             raise DataError(
-                f"resume state is for {state['num_rows']} prompts, this dataset has "
-                f"{len(self._rows)}: expected the same data.source and split"
+                f"resume state is for {state['num_rows']} {self.unit}, this dataset has "
+                f"{len(self._rows)}: expected the same data and split"
             )
         if not 0 <= state["position"] <= len(self._rows):
             raise ValueError(f"resume position {state['position']} outside 0..{len(self._rows)}")

@@ -61,5 +61,18 @@ COST_VALUES = "cost_values"  # (B, R) float, cost-critic value estimates
 COST_ADVANTAGES = "cost_advantages"  # (B, R) float, per-token cost advantages
 COST_RETURNS = "cost_returns"  # (B, R) float, cost-critic value targets
 
+# -- preference pairs (produced by the preference data source, ``hybridflow.data.preferences``) --
+# A pair batch holds B pairs: prompt_ids, prompt_mask, uid and prompt_text as a prompt batch,
+# then two responses to each prompt, right-padded to one length R, EOS last. "Chosen" is the
+# response a scalar model must score higher: the preferred one for a reward model, the less safe
+# one for a cost model.
+CHOSEN_IDS = "chosen_ids"  # (B, R) int64, right-padded tokens of the response that must score higher
+CHOSEN_MASK = "chosen_mask"  # (B, R) int64, 1 on the chosen response's tokens, EOS included
+REJECTED_IDS = "rejected_ids"  # (B, R) int64, right-padded tokens of the other response
+REJECTED_MASK = "rejected_mask"  # (B, R) int64, 1 on the rejected response's tokens, EOS included
+PAIR_MARGIN = "pair_margin"  # (B,) float, how far chosen must score above rejected (0: plain Bradley-Terry)
+CHOSEN_SAFETY_SIGN = "chosen_safety_sign"  # (B,) float, cost pairs: +1 if the chosen response is unsafe, -1 if safe
+REJECTED_SAFETY_SIGN = "rejected_safety_sign"  # (B,) float, cost pairs: the same for the rejected response
+
 # Which of these fields each graph-level key (a node's input or output) stands for is part of the
 # op that writes it: ``hybridflow.graph.ops`` (``graph_keys()``).

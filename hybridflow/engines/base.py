@@ -8,16 +8,16 @@ engine* generates. The 3D-HybridEngine (``hybridflow.hybrid_engine``) moves the 
 from the first to the second every iteration. Batches are ``TensorDict``s using the keys in
 ``hybridflow.data.keys``.
 
-Engines come from ``TRAIN_ENGINES`` / ``ROLLOUT_ENGINES``, keyed by the graph file's
-``train.engine`` / ``rollout.engine``; an entry names its class as ``"module:Class"`` and is
-imported on first use, so megatron-core and vLLM load only in a process whose graph asks for
-them.
+Engines are registered records (``hybridflow.spec.engines``: builder, typed config,
+capabilities), named by the graph file's ``train.engine`` / ``rollout.engine``;
+``TRAIN_ENGINES`` / ``ROLLOUT_ENGINES`` give their classes. A record names its class as
+``"module:Class"``, imported on first use, so megatron-core and vLLM load only in a process
+whose graph asks for them.
 """
 
 from __future__ import annotations
 
 import abc
-import importlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
@@ -27,7 +27,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from hybridflow.engines.shards import ShardSpec, TrainShardBuffer
-from hybridflow.spec.graph import TrainEngineSpec
+from hybridflow.spec.engines import EngineCaps, EngineRecord, engine_names, engine_record, register_engine
+from hybridflow.spec.graph import RolloutSpec, TrainEngineSpec
 from hybridflow.spec.layout import ParallelLayout
 
 # loss_fn(micro_batch, forward_out) -> (loss summed over tokens / global normaliser, metrics)
@@ -201,6 +202,7 @@ class RolloutEngine(abc.ABC):
         adapter_config: dict[str, Any] | None = None,
         shared_prefix_len: int | None = None,
         enforce_eager: bool = True,
+        tp_ranks: list[int] | None = None,
     ) -> "RolloutEngine":
         """The rollout engine of an actor whose train engine holds ``module`` (the full HF
         model, in this process): it may generate from the module itself or take a copy.
@@ -211,11 +213,20 @@ class RolloutEngine(abc.ABC):
         holds them); the engine then takes adapter updates through ``load_adapter``.
         ``shared_prefix_len``: the longest prefix two requests can have in common (an engine
         with a prefix cache may leave it off below what it can reuse). ``enforce_eager=False``:
-        an engine that can compile its model (``rollout.enforce_eager``) does so."""
+        an engine that can compile its model (``rollout.enforce_eager``) does so.
+        ``tp_ranks``: this rank's generation TP group (torch ranks in TP-rank order; every rank
+        of it builds collectively, with the same ``seed``); None = generation tp 1. An engine
+        without the ``generation_tp`` capability refuses a group of more than one rank."""
 
     @abc.abstractmethod
-    def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
+    def generate(
+        self, prompts: TensorDict, params: SamplingParams, updates: "WeightUpdates | None" = None
+    ) -> TensorDict:
         """Sample ``params.n`` responses per prompt.
+
+        ``updates``: weights that may arrive while it generates (partial rollouts); an engine
+        without the ``partial_rollouts`` capability refuses a value other than None
+        (``refuse_updates``).
 
         Input: ``prompt_ids``/``prompt_mask`` (B, P) left-padded, plus ``uid`` and any other
         per-prompt fields. Output (B * n samples, the n samples of a prompt adjacent): the
@@ -250,56 +261,49 @@ class RolloutEngine(abc.ABC):
         return None
 
     def offload(self) -> None:
-        """Free generation memory (KV cache, ...) while training runs. No-op by default."""
+        """Free generation memory (weights, KV cache, ...) while a colocated op that does not
+        generate runs (``hybridflow.workers.colocation``). No-op by default."""
 
     def reload(self) -> None:
-        """Restore what ``offload`` freed. No-op by default."""
+        """Restore what ``offload`` freed, before the next generation. No-op by default."""
 
     def close(self) -> None:
         """Release what the engine keeps outside the process (files). No-op by default."""
+
+
+def refuse_updates(engine: RolloutEngine, updates: WeightUpdates | None) -> None:
+    """The part of the rollout contract an engine without partial rollouts keeps."""
+    if updates is not None:
+        raise ValueError(f"{type(engine).__name__} takes no weights while it generates (partial rollouts)")
+
+
+def refuse_tp(engine: type, tp_ranks: list[int] | None) -> None:
+    """The part of the rollout contract an engine without generation TP keeps."""
+    if tp_ranks is not None and len(tp_ranks) > 1:
+        raise ValueError(f"{engine.__name__} generates at tp 1 only (got the group {tp_ranks})")
 
 
 E = TypeVar("E")
 
 
 class EngineRegistry(Generic[E]):
-    """Engine classes by the name a graph file gives them, imported on first use."""
+    """The classes of the registered engines of one kind, imported on first use."""
 
-    def __init__(self, kind: str, entries: Mapping[str, str]) -> None:
+    def __init__(self, kind: str) -> None:
         self.kind = kind
-        self._entries: dict[str, str | type[E]] = dict(entries)
 
-    def register(self, name: str, target: "str | type[E]") -> None:
-        """Add an engine: its class, or ``"module:Class"`` to import when first asked for."""
-        if name in self._entries:
-            raise ValueError(f"{self.kind} {name!r} is already registered")
-        self._entries[name] = target
+    def register(self, name: str, target: "str | type[E]", config: type | None = None, caps: EngineCaps = EngineCaps()) -> None:
+        """Add an engine: its class, or ``"module:Class"`` to import when first asked for;
+        ``config``: its graph-file section's model (default: the kind's common options)."""
+        base = TrainEngineSpec if self.kind == "train" else RolloutSpec
+        register_engine(EngineRecord(name, self.kind, target, config or base, caps))
 
     def get(self, name: str) -> type[E]:
-        try:
-            target = self._entries[name]
-        except KeyError:
-            raise KeyError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}") from None
-        if isinstance(target, str):
-            module, _, attr = target.partition(":")
-            target = self._entries[name] = getattr(importlib.import_module(module), attr)
-        return target
+        return engine_record(self.kind, name).load()
 
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        return engine_names(self.kind)
 
 
-TRAIN_ENGINES: EngineRegistry[TrainEngine] = EngineRegistry(
-    "train engine",
-    {
-        "torch": "hybridflow.engines.torch_engine:TorchTrainEngine",
-        "megatron": "hybridflow.engines.megatron.engine:MegatronTrainEngine",
-    },
-)
-ROLLOUT_ENGINES: EngineRegistry[RolloutEngine] = EngineRegistry(
-    "rollout engine",
-    {
-        "hf": "hybridflow.engines.hf_rollout:HFRolloutEngine",
-        "vllm": "hybridflow.engines.vllm_rollout:VLLMRolloutEngine",
-    },
-)
+TRAIN_ENGINES: EngineRegistry[TrainEngine] = EngineRegistry("train")
+ROLLOUT_ENGINES: EngineRegistry[RolloutEngine] = EngineRegistry("rollout")

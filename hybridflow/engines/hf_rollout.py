@@ -12,6 +12,7 @@ from that engine copies nothing.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -23,7 +24,7 @@ from transformers import StoppingCriteria
 from hybridflow.algos import log_probs_from_logits
 from hybridflow.data import keys as K
 from hybridflow.data.batch import build_rollout_fields, repeat_interleave_td
-from hybridflow.engines.base import RolloutEngine, SamplingParams
+from hybridflow.engines.base import RolloutEngine, SamplingParams, WeightUpdates, refuse_tp, refuse_updates
 from hybridflow.engines.models import GenerationConfig
 
 
@@ -80,12 +81,14 @@ class HFRolloutEngine(RolloutEngine):
         adapter_config=None,
         shared_prefix_len: int | None = None,
         enforce_eager: bool = True,
+        tp_ranks: list[int] | None = None,
     ) -> "HFRolloutEngine":
         """Generates from the train engine's own ``module`` (same layout, no copy); records
         log-probs at each call's own temperature, so ``temperature`` is not needed here (nor
         ``shared_prefix_len``: transformers' generate keeps no cache across calls; nor
         ``enforce_eager``: the module runs as the train engine has it). A
         LoRA actor's module holds its adapters: they generate as they train."""
+        refuse_tp(cls, tp_ranks)
         return cls(module, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer)
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
@@ -108,7 +111,7 @@ class HFRolloutEngine(RolloutEngine):
         )
 
     @torch.no_grad()
-    def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
+    def generate(self, prompts: TensorDict, params: SamplingParams, updates: WeightUpdates | None = None) -> TensorDict:
         """``params.n`` samples per prompt, adjacent; responses padded to ``params.max_new_tokens``.
 
         Returns every field of ``prompts`` repeated, plus the rollout fields of
@@ -116,6 +119,7 @@ class HFRolloutEngine(RolloutEngine):
         Greedy decoding still returns ``n`` (identical) samples per prompt and records
         log-probs at ``params.temperature``. Sampling draws from torch's global RNG.
         """
+        refuse_updates(self, updates)
         batch = repeat_interleave_td(prompts, params.n)
         prompt_ids = batch[K.PROMPT_IDS]
         prompt_mask = batch[K.PROMPT_MASK]
@@ -223,3 +227,26 @@ class HFRolloutEngine(RolloutEngine):
             copied_bytes += tensor.numel() * tensor.element_size()
         self.last_load = {"copied": copied, "shared": shared}
         return copied_bytes
+
+
+def standalone(build_module, tokenizer, *, source_dir, max_model_len: int, seed: int, temperature: float):
+    """``generate(prompts, params)`` on an engine in this process (``hybridflow eval``), in
+    chunks of 32 prompts under a progress bar; ``build_module()`` gives the model."""
+    torch.manual_seed(seed)
+    rollout = HFRolloutEngine(build_module(), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+
+    def generate(prompts: TensorDict, params: SamplingParams, chunk: int = 32) -> TensorDict:
+        from tqdm import tqdm
+
+        num = prompts.batch_size[0]
+        parts = []
+        # As `hybridflow run`'s: a bar only on a terminal, never redrawn into a pipe or a log file.
+        shown = sys.stdout.isatty() and sys.stderr.isatty()
+        desc = "greedy" if params.greedy else f"{params.n} samples"
+        with tqdm(total=num, desc=desc, unit="prompt", disable=not shown) as bar:
+            for i in range(0, num, chunk):
+                parts.append(rollout.generate(prompts[i : i + chunk], params))
+                bar.update(min(chunk, num - i))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    return generate

@@ -250,7 +250,10 @@ def build_value_model(
 ) -> PreTrainedModel:
     """A critic / reward model: the same backbone with a scalar head per token (num_labels=1).
 
-    From a path, the head is new (seeded); from a config, everything is.
+    From a path holding a scalar model (``save_scalar_model``'s directory, or a TRL reward
+    model: ``*ForSequenceClassification`` names its head ``score`` too, without a bias, which
+    then starts at 0) the head is the directory's; from a causal LM's path it is new (seeded);
+    from a config, everything is.
     """
     head = {"num_labels": 1, "classifier_dropout": 0.0}
     return _build(

@@ -37,7 +37,7 @@ from hybridflow.engines.packing import (
     token_budget_micro_batches,
 )
 from hybridflow.engines.schedule import lr_factor
-from hybridflow.spec.graph import TrainEngineSpec
+from hybridflow.spec.engines import TorchTrainSpec
 
 # Optimizer state keyed "state.<param name>.<field>" (no param indices): layout-free.
 _DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -181,7 +181,7 @@ class TorchTrainEngine(TrainEngine):
     def __init__(
         self,
         model: nn.Module,
-        spec: TrainEngineSpec,
+        spec: TorchTrainSpec,
         *,
         total_steps: int | None = None,
         process_group: dist.ProcessGroup | None = None,
@@ -248,7 +248,7 @@ class TorchTrainEngine(TrainEngine):
 
     @classmethod
     def build(
-        cls, module: nn.Module, spec: TrainEngineSpec, *, kind: ModelKind, total_steps: int, seed: int
+        cls, module: nn.Module, spec: TorchTrainSpec, *, kind: ModelKind, total_steps: int, seed: int
     ) -> "TorchTrainEngine":
         """Data parallel over the default process group (every rank of the worker group)."""
         return cls(module, spec, total_steps=total_steps, kind=kind, seed=seed)

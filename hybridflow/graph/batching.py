@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hybridflow.spec.graph import GraphSpec
+from hybridflow.spec.graph import GraphSpec, UpdateOptions
 from hybridflow.spec.layout import ParallelLayout
 from hybridflow.spec.loading import SpecError
 
@@ -93,7 +93,7 @@ def _batch_problem(spec: GraphSpec, prompts: int, dp_of: Mapping[str, int]) -> t
                 f"{model!r}; use a multiple of {dp}"
             )
     for i, node in enumerate(spec.nodes):
-        if node.op != "update":
+        if not isinstance(node.options, UpdateOptions):  # its mini-batches split the batch
             continue
         dp = dp_of[node.model]
         per_rank = prompts * n // dp
@@ -126,14 +126,14 @@ def batch_plan(spec: GraphSpec, layouts: dict[str, ParallelLayout], file: str) -
     n = rollout.n if rollout is not None else 1
     updates = []
     for node in spec.nodes:
-        if node.op != "update":
+        if not isinstance(node.options, UpdateOptions):
             continue
         dp = layouts[node.model].dp
         mini_batches = node.options.mini_batches
         per_rank_step = prompts * n // dp // mini_batches
         train = spec.models[node.model].train
         micro = train.micro_batch_size
-        if train.micro_batch_tokens is not None and getattr(node.options, "loss_agg", None) == "bnpo":
+        if train.token_budget is not None and getattr(node.options, "loss_agg", None) == "bnpo":
             raise SpecError(
                 file, f"models.{node.model}.train.micro_batch_tokens",
                 f"node {node.name!r} aggregates its loss with 'bnpo', a mean per micro-batch, which "
@@ -151,7 +151,7 @@ def batch_plan(spec: GraphSpec, layouts: dict[str, ParallelLayout], file: str) -
                 samples_per_step=per_rank_step * dp,
                 samples_per_rank_step=per_rank_step,
                 micro_batches_per_step=math.ceil(per_rank_step / micro),
-                micro_batch_tokens=train.micro_batch_tokens,
+                micro_batch_tokens=train.token_budget,
             )
         )
     return BatchPlan(prompts, n, tuple(updates))

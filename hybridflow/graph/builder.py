@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridflow.graph.dag import Graph, build_graph
+from hybridflow.graph.plugins import import_plugins
 from hybridflow.spec.graph import GraphSpec
 from hybridflow.spec.loading import validate_model
 
@@ -47,6 +48,12 @@ class GraphBuilder:
         self._raw["nodes"].append(entry)
         return self
 
+    def plugins(self, *modules: str) -> "GraphBuilder":
+        """Modules that register ops of their own (a graph file's ``plugins``): imported now and
+        by the workers, found on ``PYTHONPATH``."""
+        self._raw.setdefault("plugins", []).extend(modules)
+        return self
+
     def place(self, placement: dict[str, str] | str) -> "GraphBuilder":
         self._raw["placement"] = placement
         return self
@@ -60,7 +67,9 @@ class GraphBuilder:
         return self
 
     def spec(self) -> GraphSpec:
-        return validate_model(GraphSpec, self._raw, f"<python graph {self._raw['name']}>")
+        file = f"<python graph {self._raw['name']}>"
+        import_plugins(self._raw.get("plugins", []), "", file)
+        return validate_model(GraphSpec, self._raw, file)
 
     def build(self, pools_file: str | None = None) -> Graph:
         return build_graph(self.spec(), f"<python graph {self._raw['name']}>", pools_file)

@@ -6,8 +6,9 @@ a one-line ``SpecError`` naming the file and the field. It imports no Ray, vLLM 
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import networkx as nx
@@ -15,9 +16,11 @@ import networkx as nx
 from hybridflow.algos.advantages import zero_without_groups
 from hybridflow.graph.batching import batch_plan
 from hybridflow.graph.ops import OPS, SOURCE_WRITES, Op
-from hybridflow.spec.graph import AdvantageOptions, GraphSpec, ModelSpec, NodeBase
+from hybridflow.graph.plugins import import_plugins, load_graph_spec, plugin_dir
+from hybridflow.spec.engines import caps_of, engines_with
+from hybridflow.spec.graph import AdvantageOptions, GraphSpec, ModelSpec, NodeBase, UpdateOptions
 from hybridflow.spec.layout import ParallelLayout
-from hybridflow.spec.loading import SpecError, load_graph_spec, load_pools, resolve_relative
+from hybridflow.spec.loading import SpecError, load_pools, resolve_relative
 from hybridflow.spec.pool import PoolSpec
 
 SOURCE = "<data>"  # pseudo-node that produces the data source's keys (``ops.SOURCE_WRITES``)
@@ -53,6 +56,15 @@ class Graph:
     # model name -> the pool its rollout engine has to itself (``rollout.pool``); empty when
     # every rollout engine shares its model's pool (the hybrid engine)
     rollout_pools: dict[str, str] = field(default_factory=dict)
+    plugin_dir: str = ""  # where the graph file's plugins are looked for first (its folder)
+
+    def __reduce_ex__(self, protocol):
+        """A graph with plugins unpickles (in a worker process) by importing them first, so
+        that its nodes' and ops' classes, defined in the plugins, are found there."""
+        if not self.spec.plugins:
+            return super().__reduce_ex__(protocol)
+        state = pickle.dumps({f.name: getattr(self, f.name) for f in fields(self)}, protocol)
+        return _unpickle_with_plugins, (list(self.spec.plugins), self.plugin_dir, self.file, state)
 
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
@@ -103,7 +115,7 @@ class Graph:
         """Whether an update of ``model`` reads every sample's ``rollout_log_probs`` (rollout
         correction, ``old_log_probs: rollout``), beyond the consistency check's sample."""
         return any(
-            node.op == "update" and node.model == model
+            isinstance(node.spec.options, UpdateOptions) and node.model == model
             and (node.spec.options.rollout_correction is not None or node.spec.options.old_log_probs == "rollout")
             for node in self.nodes
         )
@@ -117,7 +129,7 @@ class Graph:
         without the node the update uses exactly that. Leaving it out saves a forward pass."""
         found = {}
         for node in self.nodes:
-            if node.op != "update" or "old_log_probs" not in node.inputs:
+            if not isinstance(node.spec.options, UpdateOptions) or "old_log_probs" not in node.inputs:
                 continue
             options = node.spec.options
             if options.rollout_correction is not None:  # weighs by these log-probs up front
@@ -129,7 +141,7 @@ class Graph:
                 continue
             producer = self.node(source)
             consumers = {dst for _, dst in self.dag.out_edges(producer.name)}
-            if producer.op == "log_prob" and producer.model == node.model and consumers == {node.name}:
+            if self.op(producer).forward and producer.model == node.model and consumers == {node.name}:
                 if options.old_log_probs == "rollout":
                     found[producer.name] = (
                         f"{node.name} takes pi_old from the rollout (options.old_log_probs: "
@@ -155,12 +167,17 @@ class Graph:
         actor_spec = self.spec.models[actor]
         if (
             spec.role == "ref"
-            and actor_spec.train.lora is not None
+            and actor_spec.train.adapters is not None
             and spec.source == actor_spec.source
             and self.placement[model] == self.placement[actor]
         ):
             return actor
         return None
+
+
+def _unpickle_with_plugins(plugins: list[str], folder: str, file: str, state: bytes) -> "Graph":
+    import_plugins(plugins, folder, file)
+    return Graph(**pickle.loads(state))
 
 
 def _resolve_nodes(spec: GraphSpec, file: str) -> list[Node]:
@@ -426,11 +443,12 @@ def _resolve_rollout_pools(
                 f"pool {rollout.pool!r} is the one {name!r} trains on; leave rollout.pool out to "
                 "generate there (the hybrid engine), or name another pool",
             )
-        if model.train.engine != "torch" or model.train.lora is not None:
+        if not caps_of(model.train).full_weights or model.train.adapters is not None:
             raise SpecError(
                 file, field_,
-                "a standalone rollout takes the full weights of a torch train engine; megatron and "
-                "LoRA actors generate on their own pool (leave rollout.pool out)",
+                "a standalone rollout takes the full weights of a train engine that holds them on "
+                f"every rank (such as the torch train engine); {model.train.engine!r} actors that "
+                "shard them and LoRA actors generate on their own pool (leave rollout.pool out)",
             )
         if rollout.layout.tp * rollout.layout.pp != 1:
             raise SpecError(file, field_, "a standalone rollout generates at tp = pp = 1 on every rank of its pool")
@@ -450,8 +468,10 @@ def _resolve_rollout_pools(
         if not found:
             raise SpecError(file, field_, f"{partial} needs the actor's rollout on a pool of its own (models.<actor>.rollout.pool): on the training pool generation and update never overlap")
         for name in found:
-            if spec.models[name].rollout.engine != "vllm":
-                raise SpecError(file, field_, f"{partial} needs models.{name}.rollout.engine vllm (it steps vLLM's engine to take weights between decoding steps)")
+            engine = spec.models[name].rollout.engine
+            if not caps_of(spec.models[name].rollout).partial_rollouts:
+                able = " or ".join(engines_with("rollout", "partial_rollouts")) or "that takes weights between decoding steps"
+                raise SpecError(file, field_, f"{partial} needs models.{name}.rollout.engine {able} (an engine that takes weights between decoding steps; got {engine})")
     return found
 
 
@@ -467,8 +487,9 @@ def _check_generation_layout(rollout, train: ParallelLayout, file: str, field: s
         return
     if gen.pp > 1:
         raise SpecError(file, f"{field}.layout.pp", f"generation pp {gen.pp} is not available: the rollout engines generate at pp = 1")
-    if rollout.engine != "vllm":
-        raise SpecError(file, f"{field}.layout.tp", f"generation tp {gen.tp} needs rollout.engine vllm (got {rollout.engine})")
+    if not caps_of(rollout).generation_tp:
+        able = " or ".join(engines_with("rollout", "generation_tp")) or "with generation TP"
+        raise SpecError(file, f"{field}.layout.tp", f"generation tp {gen.tp} needs rollout.engine {able} (got {rollout.engine})")
     if gen.tp != train.tp:
         raise SpecError(
             file,
@@ -487,8 +508,12 @@ def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node
     if len(actors) > 1:
         raise SpecError(file, "models", f"one actor per graph, found {actors}")
     for name, model in spec.models.items():
-        if model.train.lora is not None and model.role != "actor":
+        if model.train.adapters is not None and model.role != "actor":
             raise SpecError(file, f"models.{name}.train.lora", f"LoRA is for the actor (role is {model.role})")
+        if model.train.adapters is not None and model.rollout is not None and not caps_of(model.rollout).lora:
+            able = " or ".join(engines_with("rollout", "lora"))
+            raise SpecError(file, f"models.{name}.rollout.engine",
+                            f"{model.rollout.engine!r} takes no LoRA adapters (train.lora); use rollout.engine {able}")
     nodes = _resolve_nodes(spec, file)
     _check_rollout_correction(nodes, file)
     if spec.trainer.async_.mode != "sync" and any(OPS[n.op].refills for n in nodes):
@@ -509,7 +534,7 @@ def _check_rollout_correction(nodes: list[Node], file: str) -> None:
     """An update with rollout correction weighs by pi_old / pi_rollout: it needs pi_old, the
     ``old_log_probs`` key, among its inputs (``responses`` brings the rollout's)."""
     for i, node in enumerate(nodes):
-        if node.op != "update" or node.role != "actor":
+        if not isinstance(node.spec.options, UpdateOptions) or node.role != "actor":
             continue
         if node.spec.options.rollout_correction is not None and "old_log_probs" not in node.inputs:
             raise SpecError(
@@ -557,6 +582,7 @@ def build_graph(
         layouts=layouts,
         ops={op: OPS[op] for op in dict.fromkeys(n.op for n in nodes)},
         rollout_pools=_resolve_rollout_pools(spec, pools, placement, file, str(pool_path)),
+        plugin_dir=plugin_dir(file),
     )
     if planned:
         placement, pools = planner(graph)
@@ -575,5 +601,5 @@ def load_graph(
     pools_file: str | Path | None = None,
     planner: Planner | None = None,
 ) -> Graph:
-    """Read, override and validate a graph file."""
+    """Read, override and validate a graph file (its plugins imported first)."""
     return build_graph(load_graph_spec(path, overrides), path, pools_file, planner)

@@ -2,20 +2,25 @@
 
 An ``Op`` says which roles may run it, the data keys a node of it reads and writes by default,
 the graph keys it can produce (and the batch fields each stands for), the kinds of key its body
-looks for among a node's keys (``slots``, checked when a graph is validated), its options model
-(``spec/graph.py``) and the name of the worker method that runs it. The controller calls every
-op the same way (``ModelWorker.run_op`` with the node's name); how the batch is split over the
-ranks follows from the model's layout, not from the op.
+looks for among a node's keys (``slots``, checked when a graph is validated), its options model,
+what it does that the rest of the code asks about (``generates``, ``trains``, ``scores``, ...)
+and its body, a function named ``"module:function"`` and imported only where it runs (a worker
+process). The controller calls every op the same way (``ModelWorker.run_op`` with the node's
+name); how the batch is split over the ranks follows from the model's layout, not from the op.
 
-Adding an op is one record here (or ``register_op`` from anywhere) plus its body, a method of
-``ModelWorker`` (or of a subclass) with that name: ``body(self, batch, node) -> (TensorDict,
-meta)``. Nothing in the controller changes. This module imports no Ray, vLLM or megatron: the
-record names its worker method, and the worker side binds the name.
+A body is ``body(ctx, batch, node) -> (TensorDict, meta)``: ``ctx`` is the worker's
+``hybridflow.workers.context.WorkerContext`` (engines, tokenizer, graph, data-parallel group),
+``batch`` this rank's part of the node's inputs, ``meta`` a dict with ``metrics`` (averaged over
+the ranks), ``sums`` (summed) and ``samples``. The built-in ops below are registered the way a
+user's are: a user's module calls ``register_op`` and a graph file names the module under
+``plugins`` (``hybridflow.graph.plugins``). This module imports no Ray, vLLM or megatron.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -35,6 +40,9 @@ from hybridflow.spec.graph import (
     node_types,
     set_node_types,
 )
+
+Body = Callable[..., tuple]  # (ctx, batch, node) -> (TensorDict, meta)
+_BODIES: dict[str, Body] = {}  # "module:function" -> the function, once imported
 
 ANY_ROLE = frozenset({"actor", "critic", "ref", "reward", "cost"})
 
@@ -56,25 +64,46 @@ class Slot:
 class Op:
     """One op. ``inputs`` / ``outputs``: default keys by role (``"*"``: any role); ``writes``:
     graph keys a node of the op may produce -> the batch fields each stands for (the first is
-    the main one); ``method``: the worker method that runs it, by role where they differ;
-    ``text``: the body reads per-sample strings (prompt text, ground truth); ``generates``: the
-    op runs the actor's rollout engine (needs rollout settings, is split over the generation
-    layout, and makes ``rollout.n`` samples per prompt, 1 when greedy); ``refills``: the op
-    drops prompt groups and the controller re-runs the nodes before it on fresh prompts until the
+    the main one); ``body``: ``"module:function"`` of the function that runs it on a worker, by
+    role where they differ (imported on first use, in the worker process only).
+
+    Flags the rest of the code asks instead of an op's name: ``text``: the body reads
+    per-sample strings (prompt text, ground truth); ``generates``: the op runs the actor's
+    rollout engine (needs rollout settings, is split over the generation layout, and makes
+    ``rollout.n`` samples per prompt, 1 when greedy); ``multi_turn``: its rollouts are episodes
+    against the environment its options name (``env``, ``env_kwargs``: built before the run
+    starts; a turn's context is shared across the episode); ``trains``: it changes its model's
+    weights (the model is checkpointed, and its workers keep optimizer state); ``scores``: it
+    scores responses (validation and ``hybridflow eval`` run it); ``forward``: a forward pass of
+    its model over the responses (the cost model prices it so); ``refills``: the op drops
+    prompt groups and the controller re-runs the nodes before it on fresh prompts until the
     batch is full again (dynamic sampling); every later reader of its input keys reads its
     output (``graph.dag``), so its output size is not known before it finishes."""
 
     name: str
     roles: frozenset[str]
     options: type[Spec]
-    method: str | Mapping[str, str]
+    body: str | Mapping[str, str]
     inputs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     outputs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     writes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     slots: Mapping[str, Slot] = field(default_factory=dict)
     text: bool = False
     generates: bool = False
+    multi_turn: bool = False
+    trains: bool = False
+    scores: bool = False
+    forward: bool = False
     refills: bool = False
+
+    def __post_init__(self) -> None:
+        bodies = [self.body] if isinstance(self.body, str) else list(self.body.values())
+        for path in bodies:
+            module, sep, attr = path.partition(":")
+            if not (sep and module and attr):
+                raise ValueError(f"op {self.name!r}: body must be 'module:function', got {path!r}")
+        if not isinstance(self.body, str) and set(self.body) != set(self.roles):
+            raise ValueError(f"op {self.name!r}: a body per role needs one for each of {sorted(self.roles)}")
 
     def default_inputs(self, role: str) -> tuple[str, ...]:
         return self.inputs.get(role, self.inputs.get("*", ()))
@@ -82,8 +111,22 @@ class Op:
     def default_outputs(self, role: str) -> tuple[str, ...]:
         return self.outputs.get(role, self.outputs.get("*", ()))
 
-    def method_for(self, role: str) -> str:
-        return self.method if isinstance(self.method, str) else self.method[role]
+    def body_for(self, role: str) -> str:
+        """``"module:function"`` of the body a node of this op on a model of ``role`` runs."""
+        return self.body if isinstance(self.body, str) else self.body[role]
+
+    def load_body(self, role: str) -> Body:
+        """The body function itself, imported on first use (ImportError / AttributeError with
+        the op's name when it cannot be found)."""
+        path = self.body_for(role)
+        if path not in _BODIES:
+            module_name, _, attr = path.partition(":")
+            try:
+                fn = getattr(importlib.import_module(module_name), attr)
+            except AttributeError:
+                raise AttributeError(f"op {self.name!r}: module {module_name!r} has no body {attr!r}") from None
+            _BODIES[path] = fn
+        return _BODIES[path]
 
     def slots_for(self, role: str) -> dict[str, Slot]:
         return {name: s for name, s in self.slots.items() if s.roles is None or role in s.roles}
@@ -103,27 +146,37 @@ OPS: dict[str, Op] = {}
 def register_op(op: Op) -> Op:
     """Add ``op``: graph files and builders may name it from now on (its node model, an
     ``op: Literal[name]`` node with ``options: op.options``, joins ``GraphSpec``'s node union).
-    The worker that runs it must have a method named ``op.method``."""
+    Registering the same record again (a module imported twice) is a no-op; another record
+    under a taken name is refused."""
     if op.name in OPS:
+        if OPS[op.name] == op:
+            return op
         raise ValueError(f"op {op.name!r} is already registered")
     OPS[op.name] = op
     types = node_types()
-    if op.name not in types:
-        title = "".join(part.title() for part in op.name.split("_"))
-        types[op.name] = create_model(
-            f"{title}Node",
-            __base__=NodeBase,
-            __module__=op.options.__module__,  # pickled like the options model it holds
-            op=(Literal[op.name], ...),
-            options=(op.options, Field(default_factory=op.options)),
-        )
-        set_node_types(types)
+    title = "".join(part.title() for part in op.name.split("_"))
+    node = create_model(
+        f"{title}Node",
+        __base__=NodeBase,
+        __module__=op.options.__module__,
+        op=(Literal[op.name], ...),
+        options=(op.options, Field(default_factory=op.options)),
+    )
+    # Found by name in the options' module, so that a pickled node (a graph sent to the
+    # workers) refers to its class the way it refers to its options' class.
+    setattr(sys.modules[op.options.__module__], node.__name__, node)
+    types[op.name] = node
+    set_node_types(types)
     return op
 
 
 def unregister_op(name: str) -> None:
     """Remove an op ``register_op`` added (tests, notebooks)."""
     del OPS[name]
+    node = node_types()[name]
+    module = sys.modules.get(node.__module__)
+    if module is not None and getattr(module, node.__name__, None) is node:
+        delattr(module, node.__name__)
     set_node_types({op: cls for op, cls in node_types().items() if op != name})
 
 
@@ -140,7 +193,7 @@ register_op(Op(
     "generate",
     roles=frozenset({"actor"}),
     options=GenerateOptions,
-    method="generate",
+    body="hybridflow.workers.ops.rollout:generate",
     inputs={"*": ("prompts",)},
     outputs={"*": ("responses",)},
     writes={
@@ -158,7 +211,7 @@ register_op(Op(
     "multi_turn_generate",
     roles=frozenset({"actor"}),
     options=MultiTurnOptions,
-    method="generate_multi_turn",
+    body="hybridflow.workers.ops.multi_turn:generate_multi_turn",
     inputs={"*": ("prompts",)},
     outputs={"*": ("responses", "scores")},
     writes={
@@ -167,12 +220,14 @@ register_op(Op(
     },
     text=True,
     generates=True,
+    multi_turn=True,
 ))
 register_op(Op(
     "log_prob",
     roles=frozenset({"actor", "ref"}),
     options=NoOptions,
-    method="log_prob",
+    body="hybridflow.workers.ops.forward:log_prob",
+    forward=True,
     inputs={"*": ("responses",)},
     outputs={"actor": ("old_log_probs",), "ref": ("ref_log_probs",)},
     writes={"old_log_probs": (K.OLD_LOG_PROBS,), "ref_log_probs": (K.REF_LOG_PROBS,)},
@@ -181,7 +236,8 @@ register_op(Op(
     "values",
     roles=frozenset({"critic"}),
     options=NoOptions,
-    method="compute_values",
+    body="hybridflow.workers.ops.forward:values",
+    forward=True,
     inputs={"*": ("responses",)},
     outputs={"*": ("values",)},
     writes={"values": (K.VALUES,), "cost_values": (K.COST_VALUES,)},
@@ -190,7 +246,9 @@ register_op(Op(
     "score",
     roles=frozenset({"reward", "cost"}),
     options=ScoreOptions,
-    method="score",
+    body="hybridflow.workers.ops.score:score",
+    scores=True,
+    forward=True,  # a learned scorer's; a rule's is priced by its own profile entries
     inputs={"*": ("responses",)},
     outputs={"reward": ("scores",), "cost": ("costs",)},
     writes={
@@ -206,7 +264,7 @@ register_op(Op(
     "advantage",
     roles=ANY_ROLE,
     options=AdvantageOptions,
-    method="advantage",
+    body="hybridflow.workers.ops.advantage:advantage",
     inputs={"*": ("responses", "scores")},
     outputs={"*": ("advantages",)},
     writes={
@@ -226,7 +284,7 @@ register_op(Op(
     "filter",
     roles=ANY_ROLE,
     options=FilterOptions,
-    method="filter_groups",
+    body="hybridflow.workers.ops.filter:filter_groups",
     inputs={"*": ("responses", "scores")},
     outputs={"*": ()},
     slots={"score": Slot("score key", SCORE_KEYS)},
@@ -237,7 +295,8 @@ register_op(Op(
     "update",
     roles=frozenset({"actor", "critic"}),
     options=UpdateOptions,
-    method={"actor": "update_policy", "critic": "update_critic"},
+    body={"actor": "hybridflow.workers.ops.update:update_policy", "critic": "hybridflow.workers.ops.update:update_critic"},
+    trains=True,
     inputs={
         "actor": ("responses", "old_log_probs", "advantages"),
         "critic": ("responses", "values", "advantages"),

@@ -29,7 +29,9 @@ def describe(graph: Graph) -> str:
     while_running = f"; new weights load while it runs, partial rollouts {partial}" if partial != "off" else ""
     for node in graph.nodes:
         waits = sorted({src for src in graph.producers(node).values() if src != SOURCE})
-        outputs = _refill_note(graph, node) or ", ".join(node.outputs) or "(update)"
+        outputs = _refill_note(graph, node) or ", ".join(node.outputs) or (
+            "(update)" if graph.op(node).trains else "(metrics only)"
+        )
         lines.append(
             f"  {node.name:<14} {node.op:<10} on {node.model:<8} "
             f"{', '.join(node.inputs) or '-'} -> {outputs}"

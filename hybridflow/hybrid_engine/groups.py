@@ -22,7 +22,7 @@ lists. vLLM's external launcher (vLLM 0.32) does not take groups: it forms its T
 *consecutive* torch ranks, which are these groups only at stride ``t/tg`` = 1, at any training
 pp and dp (t = 2 x p = 2 -> tg = 2: {0, 1} and {2, 3}, with micro-DP groups {0, 2} and {1, 3}
 across the stages; ``graphs/grpo_megatron_tg2.yaml``); the vLLM engine refuses any other group
-(``engines.vllm_rollout.check_tp_group``).
+(``engines.vllm.tp.check_tp_group``).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def weight_sync(engine: TrainEngine, rollout: RolloutSpec) -> WeightSync:
     training shard, else as its full named weights. Building the resharded one is collective:
     every rank of the group calls this."""
     if engine.adapter_config() is not None:
-        if rollout.lora_sync == "merged" and rollout.engine == "vllm":  # hf shares the module
+        if rollout.merges_lora:  # an engine that shares the module has no such option
             return partial(sync_merged, engine)
         return partial(sync_adapters, engine)
     shard = engine.train_shard()

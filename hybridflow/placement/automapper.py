@@ -26,7 +26,9 @@ import networkx as nx
 from hybridflow.graph.batching import smallest_even_batch
 from hybridflow.graph.dag import SOURCE, derive_dag
 from hybridflow.graph.library import ALGORITHMS
+from hybridflow.graph.ops import OPS
 from hybridflow.placement.profiles import HardwareProfile, ModelArch, arch_from_hf_config, get_profile, model_size
+from hybridflow.spec.engines import caps_of
 from hybridflow.spec.graph import TINY_QWEN2
 from hybridflow.spec.layout import GenerationLayout
 from hybridflow.placement.simulator import (
@@ -346,7 +348,7 @@ def plan_graph(graph, model_size_name: str | None = None) -> PlanGraph:
     tp x pp layout (as megatron-core would run it; the torch engine is data-parallel only).
     """
     spec = graph.spec
-    updated = {n.model for n in graph.nodes if n.op == "update"}
+    updated = {n.model for n in graph.nodes if graph.op(n).trains}
     models = {}
     for name, m in spec.models.items():
         models[name] = ModelInfo(
@@ -355,11 +357,11 @@ def plan_graph(graph, model_size_name: str | None = None) -> PlanGraph:
             arch=_arch_of(name, graph, model_size_name),
             trainable=name in updated,
             micro_batch=None if model_size_name else m.train.micro_batch_size,
-            any_layout=model_size_name is not None or m.train.engine == "megatron",
-            flexible_generation=m.rollout is not None and (m.rollout.engine == "vllm" or model_size_name is not None),
+            any_layout=model_size_name is not None or caps_of(m.train).model_parallel,
+            flexible_generation=m.rollout is not None and (caps_of(m.rollout).generation_tp or model_size_name is not None),
         )
     actor = spec.models[graph.actor]
-    updates = [n for n in graph.nodes if n.op == "update"]
+    updates = [n for n in graph.nodes if graph.op(n).trains]
     workload = Workload(
         num_prompts=spec.data.prompts_per_iteration,
         samples_per_prompt=actor.rollout.n if actor.rollout else 1,
@@ -494,7 +496,7 @@ def rlhf_plan_graph(algorithm: str, arch: ModelArch, workload: Workload) -> Plan
         raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {sorted(ALGORITHMS)}")
     spec = ALGORITHMS[algorithm]().spec()
     nodes, dag = derive_dag(spec, f"<library graph {algorithm}>")
-    updated = {n.model for n in nodes if n.op == "update"}
+    updated = {n.model for n in nodes if OPS[n.op].trains}
     models = {
         name: ModelInfo(name, model.role, arch, trainable=name in updated)
         for name, model in spec.models.items()

@@ -243,7 +243,8 @@ class Simulator:
         """Work of one call of ``op`` on ``model`` placed on ``layout.train.world_size`` devices."""
         w = self.workload
         work: Work = {}
-        if op == "advantage":
+        record = OPS[op]
+        if not (record.forward or record.trains or record.generates):  # tensor math on a batch
             _add(work, "overhead:advantage", 1)
             return work
         if model.arch is None:  # rule scorer: per call plus per sample, split over ranks
@@ -251,10 +252,10 @@ class Simulator:
             _add(work, "overhead:score_sample", w.num_samples / layout.train.dp)
             return work
         micro = model.micro_batch or w.micro_batch
-        if op in ("log_prob", "values", "score"):
+        if record.forward:
             _add(work, "overhead:forward", math.ceil(w.num_samples / layout.train.dp / micro - 1e-9))
             self._dense(work, "forward", model, layout, 1.0, w.num_samples, w.seq_len, 2)
-        elif op == "update":
+        elif record.trains:
             steps = w.epochs * w.updates_per_epoch
             _add(work, "overhead:train", steps)
             per_step = w.num_samples / w.updates_per_epoch / layout.train.dp
@@ -264,7 +265,7 @@ class Simulator:
             crosses = layout.train.world_size > self.devices_per_node and layout.train.dp > 1
             # reduce-scatter grads + all-gather params once per optimizer step
             self._allreduce(work, grad_bytes, layout.train.dp, crosses, count=w.epochs * w.updates_per_epoch)
-        elif OPS[op].generates:  # a multi-turn rollout: its model tokens (environment time not modelled)
+        elif record.generates:  # a multi-turn rollout: its model tokens (environment time not modelled)
             self._generate(work, model, layout, free_memory)
         else:
             raise ValueError(f"no cost model for op {op!r}")
@@ -318,7 +319,7 @@ class Simulator:
         w = self.workload
         if OPS[producer.op].generates:
             nbytes = w.num_samples * w.seq_len * (TOKEN_BYTES + 1)  # ids + mask
-        elif producer.op == "score":
+        elif OPS[producer.op].scores:
             nbytes = w.num_samples * VALUE_BYTES
         else:
             nbytes = w.num_samples * w.response_len * VALUE_BYTES

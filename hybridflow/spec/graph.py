@@ -8,7 +8,7 @@ from __future__ import annotations
 import typing
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from hybridflow.spec.layout import ParallelLayout
 
@@ -178,105 +178,50 @@ class LoraSpec(Spec):
 
 
 class TrainEngineSpec(Spec):
-    """The engine that holds a model's weights for forward passes and updates."""
+    """The engine that holds a model's weights for forward passes and updates: the options
+    every train engine takes. Each registered engine's config (``hybridflow.spec.engines``)
+    subclasses this with its own; ``engine`` picks which one validates a graph file's section."""
 
-    engine: Literal["torch", "megatron"] = Field("torch", description="Train engine.")
+    engine: str = Field("torch", description="Train engine: a registered name (hybridflow.spec.engines).")
     layout: ParallelLayout = Field(default_factory=ParallelLayout, description="TP x PP x DP.")
     micro_batch_size: int = Field(
         16, ge=1, description="Samples per forward/backward on one device."
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
-    compute_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
-        description="Torch engine: mixed precision. bfloat16 runs the forward and backward "
-        "under torch.autocast (matrix products in bfloat16; log-softmax, losses, gradients, "
-        "parameters and AdamW state stay in `dtype`), like TRL's `bf16: true`. About halves an "
-        "update's time on a CPU with AVX512-BF16 or AMX; log-probs then carry bfloat16 "
-        "rounding of the logits.",
-    )
-    remove_padding: bool = Field(
-        True,
-        description="Torch engine: pack each micro-batch's sequences into rows without padding "
-        "(block-diagonal attention from restarting position ids); false = padded forward. The "
-        "megatron engine always runs padded.",
-    )
-    share_prompts: bool = Field(
-        False,
-        description="Torch engine: each distinct prompt of a micro-batch goes through the model "
-        "once and its samples' responses attend to it (one packed row, a 4D attention mask), "
-        "instead of once per sample. Outputs equal the padded forward's up to float rounding. "
-        "With n samples per prompt and prompts longer than responses this removes most of a "
-        "forward's tokens; keep micro_batch_size a multiple of rollout.n so a prompt's samples "
-        "share a micro-batch. Takes the place of remove_padding. The attention mask is dense "
-        "(tokens^2 of a micro-batch), so a micro-batch is shared only where that costs fewer "
-        "FLOPs than the layout without sharing (long prompts, short responses); otherwise it "
-        "runs packed (or padded, with remove_padding off).",
-    )
-    micro_batch_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="Torch engine: cut each forward's and update's batch into micro-batches by "
-        "a token budget instead of micro_batch_size samples (verl's ppo_max_token_len_per_gpu "
-        "with use_dynamic_bsz): balanced micro-batches of at most this many tokens (valid "
-        "prompt + response tokens with remove_padding or share_prompts, the padded width "
-        "without), a longer sample alone. Gradients equal the fixed-count cut's up to float "
-        "rounding (the loss normalisers are global); refused with loss_agg 'bnpo', which "
-        "normalises per micro-batch. null = micro_batch_size samples.",
-    )
-    logits_chunk_tokens: int | None = Field(
-        1024,
-        ge=1,
-        description="Torch engine, policy with a vocabulary of >= 1024 words and a plain linear "
-        "LM head: log-probs and entropy are computed from the final hidden states this many "
-        "response tokens at a time, in the forward and (recomputing each chunk's logits) in the "
-        "backward, so no full-vocabulary float32 logits of a whole micro-batch are held. Equal "
-        "to the full logits' read-outs up to float rounding. null = project every token at once.",
-    )
-    compile: bool = Field(
-        False,
-        description="Torch engine: torch.compile the model's decoder layers (regional "
-        "compilation: the layer class of the model's _no_split_modules, one compiled graph for "
-        "all layers; inductor fuses the norms, activations and rotary embedding around the "
-        "matrix products), active only in the engine's own forwards and updates (a transformers "
-        "rollout on the same module runs eagerly). The first forward and the first update "
-        "compile (10-30 s on CPU), and each input dimension seen changing for the first time "
-        "recompiles once (3-11 s), so it pays off in long runs: 0.92x the update's time of a "
-        "hidden-256 model on CPU (benchmarks/RESULTS.md). Needs a C++ compiler on CPU. Not with "
-        "lora.",
-    )
     optim: OptimSpec = Field(default_factory=OptimSpec, description="Used by update nodes.")
-    lora: LoraSpec | None = Field(
-        None,
-        description="Torch engine, actor: train PEFT LoRA adapters instead of every weight "
-        "(null = full fine-tuning). A `ref` model of the same source placed on the actor's pool "
-        "is then served by the actor's own module with its adapters disabled (no second copy), "
-        "and each weight sync moves the adapters only.",
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _options_of_other_engines(cls, data: Any) -> Any:
+        return _refuse_other_engines_options(cls, "train", data)
 
     @model_validator(mode="after")
-    def _compute_dtype_fits(self) -> "TrainEngineSpec":
-        if self.compute_dtype != "float32" and self.engine != "torch":
-            raise ValueError(
-                f"compute_dtype {self.compute_dtype!r} is for train.engine 'torch'; the megatron "
-                "engine computes in its `dtype`"
-            )
-        if self.share_prompts and self.engine != "torch":
-            raise ValueError("share_prompts is for train.engine 'torch'")
-        if self.micro_batch_tokens is not None and self.engine != "torch":
-            raise ValueError("micro_batch_tokens is for train.engine 'torch'")
-        if self.lora is not None and self.engine != "torch":
-            raise ValueError("lora is for train.engine 'torch'")
-        if self.compile and self.engine != "torch":
-            raise ValueError("compile is for train.engine 'torch'")
-        if self.compile and self.lora is not None:
-            raise ValueError("compile with lora is not supported")
-        return self
+    def _config_of_its_engine(self) -> "TrainEngineSpec":
+        return _check_config_class(self, "train")
+
+    # What code outside the engine asks of any train config; an engine whose config has the
+    # option overrides these.
+    @property
+    def adapters(self) -> "LoraSpec | None":
+        """The LoRA adapters trained instead of the weights; None = full fine-tuning."""
+        return None
+
+    @property
+    def token_budget(self) -> int | None:
+        """Tokens per micro-batch when batches are cut by tokens; None = by micro_batch_size."""
+        return None
+
+    @property
+    def compiles(self) -> bool:
+        """The engine compiles its model with torch.compile (inductor needs a C++ compiler)."""
+        return False
 
 
 class RolloutSpec(Spec):
-    """How the actor generates: engine, sampling and samples per prompt."""
+    """How the actor generates: engine, sampling and samples per prompt; the options every
+    rollout engine takes (each registered engine's config subclasses this with its own)."""
 
-    engine: Literal["hf", "vllm"] = Field("hf", description="Rollout engine.")
+    engine: str = Field("hf", description="Rollout engine: a registered name (hybridflow.spec.engines).")
     n: int = Field(8, ge=1, description="Samples per prompt.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1 = off.")
@@ -291,12 +236,12 @@ class RolloutSpec(Spec):
     )
     enforce_eager: bool = Field(
         True,
-        description="rollout.engine vllm: run the model eagerly (verl's rollout.enforce_eager). "
-        "false: vLLM compiles it when the engine starts (torch.compile; on GPU also CUDA graphs), "
-        "which takes longer to start (on CPU about 15 s more for a tiny model) and decodes faster "
-        "where the model's many small operations, not its matrix products, bound a step: on CPU "
-        "28% less generate time for 24 sequences of a hidden-96 model, 5-7% for 128-512 sequences "
-        "(benchmarks/RESULTS.md). Ignored by rollout.engine hf.",
+        description="A rollout engine that can compile its model (vLLM) runs it eagerly (verl's "
+        "rollout.enforce_eager). false: vLLM compiles it when the engine starts (torch.compile; "
+        "on GPU also CUDA graphs), which takes longer to start (on CPU about 15 s more for a tiny "
+        "model) and decodes faster where the model's many small operations, not its matrix "
+        "products, bound a step: on CPU 28% less generate time for 24 sequences of a hidden-96 "
+        "model, 5-7% for 128-512 sequences (benchmarks/RESULTS.md). Ignored by rollout.engine hf.",
     )
     layout: ParallelLayout = Field(
         default_factory=ParallelLayout,
@@ -308,16 +253,6 @@ class RolloutSpec(Spec):
         description="How a megatron actor's weights reach the rollout engine each iteration: "
         "all-gather inside each micro-DP group (HybridFlow's 3D-HybridEngine), or gather the "
         "whole model-parallel group and re-slice. Ignored for a torch actor (same layout).",
-    )
-    lora_sync: Literal["adapter", "merged"] = Field(
-        "adapter",
-        description="A LoRA actor (train.lora) with the vLLM rollout: 'adapter' loads the "
-        "adapters into vLLM as a LoRA adapter (each sync moves the adapters only; vLLM runs "
-        "its LoRA kernels while generating); 'merged' merges them into the base weights in the "
-        "train process and loads the full weights (each sync moves the whole model; vLLM "
-        "generates at the base model's speed: on CPU, vLLM 0.32's LoRA kernels made SmolLM2 "
-        "generation ~3x slower per token, benchmarks/RESULTS.md). The transformers rollout "
-        "shares the module either way.",
     )
     pool: str | None = Field(
         None,
@@ -357,14 +292,54 @@ class RolloutSpec(Spec):
         "by default for a sample.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _options_of_other_engines(cls, data: Any) -> Any:
+        return _refuse_other_engines_options(cls, "rollout", data)
+
     @model_validator(mode="after")
-    def _check_has_samples(self) -> "RolloutSpec":
-        if self.engine == "vllm" and self.log_prob_tolerance is not None and self.log_prob_check_samples == 0:
-            raise ValueError(
-                "log_prob_tolerance needs rollout log-probs to check; log_prob_check_samples 0 "
-                "records none (set it above 0, or null for every sample)"
-            )
-        return self
+    def _config_of_its_engine(self) -> "RolloutSpec":
+        return _check_config_class(self, "rollout")
+
+    @property
+    def merges_lora(self) -> bool:
+        """A LoRA actor's weights reach this engine with the adapters merged in (else as
+        adapters, or not at all when the engine shares the train engine's module)."""
+        return False
+
+
+class OtherEngineOption(ValueError):
+    """An option of another engine's config; ``key`` is the option (its field path's last part)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+# kind -> engine name -> its config model; filled by hybridflow.spec.engines.register_engine.
+_ENGINE_CONFIGS: dict[str, dict[str, type[Spec]]] = {"train": {}, "rollout": {}}
+
+
+def _refuse_other_engines_options(cls: type[Spec], kind: str, data: Any) -> Any:
+    """An option of another engine's config, named as such (not as an unknown field)."""
+    if not isinstance(data, dict):
+        return data
+    for key in data:
+        if key in cls.model_fields:
+            continue
+        owners = [name for name, config in _ENGINE_CONFIGS[kind].items() if key in config.model_fields]
+        if owners:
+            engines = " or ".join(repr(name) for name in owners)
+            engine = data.get("engine", cls.model_fields["engine"].default)
+            raise OtherEngineOption(key, f"{key} is for {kind}.engine {engines} (engine is {engine!r})")
+    return data
+
+
+def _check_config_class(spec: Spec, kind: str) -> Spec:
+    config = _ENGINE_CONFIGS[kind].get(spec.engine)
+    if config is not None and type(spec) not in (config, _ENGINE_BASES[kind]):
+        raise ValueError(f"{kind} engine {spec.engine!r} takes {config.__name__}, not {type(spec).__name__}")
+    return spec
 
 
 class ModelSpec(Spec):
@@ -372,6 +347,7 @@ class ModelSpec(Spec):
 
     role: Role = Field(description="actor, critic, ref, reward or cost.")
     source: ModelSource = Field(description="Where the weights come from.")
+    # The unions over the registered engines' configs replace these annotations (set_engine_configs).
     train: TrainEngineSpec = Field(
         default_factory=TrainEngineSpec, description="Engine for forwards and updates."
     )
@@ -427,23 +403,8 @@ class MultiTurnOptions(Spec):
     )
 
 
-class GenerateNode(NodeBase):
-    op: Literal["generate"]
-    options: GenerateOptions = Field(default_factory=GenerateOptions)
-
-
 class NoOptions(Spec):
     pass
-
-
-class LogProbNode(NodeBase):
-    op: Literal["log_prob"]
-    options: NoOptions = Field(default_factory=NoOptions)
-
-
-class ValuesNode(NodeBase):
-    op: Literal["values"]
-    options: NoOptions = Field(default_factory=NoOptions)
 
 
 DEFAULT_SCORE_TIMEOUT_S = 30.0  # a rule call slower than this is taken to hang
@@ -511,11 +472,6 @@ class ScoreOptions(Spec):
     )
 
 
-class ScoreNode(NodeBase):
-    op: Literal["score"]
-    options: ScoreOptions = Field(default_factory=ScoreOptions)
-
-
 def _registered(registry_name: str, name: str) -> str:
     """Fail at load time, with the known names, on an unregistered algorithm name."""
     import hybridflow.algos as algos
@@ -559,11 +515,6 @@ class AdvantageOptions(Spec):
     @classmethod
     def _known_estimator(cls, name: str) -> str:
         return _registered("ADV_ESTIMATORS", name)
-
-
-class AdvantageNode(NodeBase):
-    op: Literal["advantage"]
-    options: AdvantageOptions = Field(default_factory=AdvantageOptions)
 
 
 class RolloutCorrectionOptions(Spec):
@@ -703,19 +654,9 @@ class FilterOptions(Spec):
     )
 
 
-class UpdateNode(NodeBase):
-    op: Literal["update"]
-    options: UpdateOptions = Field(default_factory=UpdateOptions)
-
-
-NodeSpec = Annotated[
-    Union[GenerateNode, LogProbNode, ValuesNode, ScoreNode, AdvantageNode, UpdateNode],
-    Field(discriminator="op"),
-]
-# op name -> its node model; `graph.ops.register_op` adds the node model of a new op.
-_NODE_TYPES: dict[str, type[NodeBase]] = {
-    typing.get_args(cls.model_fields["op"].annotation)[0]: cls for cls in typing.get_args(typing.get_args(NodeSpec)[0])
-}
+# op name -> its node model (``op`` literal, ``options``): generated from the op records by
+# ``graph.ops.register_op``, built-in ops and a user's alike.
+_NODE_TYPES: dict[str, type[NodeBase]] = {}
 
 
 # -- data and trainer -------------------------------------------------------------------------
@@ -810,6 +751,16 @@ class AsyncSpec(Spec):
         return self
 
 
+class TrackingSpec(Spec):
+    """How a run is named in an experiment tracker (``trainer.loggers`` wandb, mlflow)."""
+
+    project: str | None = Field(
+        None, description="wandb project and MLflow experiment; null = the graph's name."
+    )
+    run_name: str | None = Field(None, description="The run's name there; null = the run directory's name.")
+    tags: list[str] = Field([], description="Tags of the run (wandb tags; MLflow tags with the value 'true').")
+
+
 class TrainerSpec(Spec):
     """Length of the run, seeds, validation, logging and what is saved."""
 
@@ -820,7 +771,11 @@ class TrainerSpec(Spec):
     val_interval: int = Field(10, ge=0, description="Validate every N iterations; 0 = never.")
     save_dir: str = Field("runs/{name}", description="Run directory ({name} = graph name).")
     save_final: bool = Field(True, description="Save the final actor in HF format.")
-    progress: bool = Field(True, description="Show a progress bar.")
+    progress: bool = Field(
+        True,
+        description="Show a progress bar (on a terminal only: piped or logged, the console lines "
+        "are the progress).",
+    )
     trace_interval: int = Field(
         0,
         ge=0,
@@ -831,11 +786,17 @@ class TrainerSpec(Spec):
         False,
         description="Run one node at a time (no overlap across pools); for comparing placements.",
     )
-    loggers: list[Literal["console", "tensorboard"]] = Field(
+    loggers: list[Literal["console", "tensorboard", "wandb", "mlflow"]] = Field(
         ["console"],
         description="Metric sinks besides RUN_DIR/metrics.jsonl, which is always written: "
         "'console' prints the key metrics every log_interval iterations; 'tensorboard' writes "
-        "event files to RUN_DIR/tensorboard (needs `pip install tensorboard`).",
+        "event files to RUN_DIR/tensorboard (the `tensorboard` extra); 'wandb' logs to Weights & "
+        "Biases, offline under RUN_DIR/wandb unless WANDB_API_KEY is set (the `wandb` extra); "
+        "'mlflow' logs to MLFLOW_TRACKING_URI, or a SQLite store RUN_DIR/mlflow/mlflow.db, and "
+        "a resumed run continues the same MLflow run (the `mlflow` extra).",
+    )
+    tracking: TrackingSpec = Field(
+        default_factory=TrackingSpec, description="Project, run name and tags for wandb and mlflow."
     )
     log_interval: int = Field(10, ge=1, description="Console logger: a line every N iterations.")
     sample_interval: int = Field(
@@ -877,13 +838,67 @@ class GraphSpec(Spec):
     placement: dict[str, str] | Literal["auto"] = Field(
         "auto", description="Model name -> pool name, or 'auto'."
     )
-    nodes: list[NodeSpec] = Field(description="Operations; edges are derived from data keys.")
+    plugins: list[str] = Field(
+        default_factory=list,
+        description="Modules to import before the nodes are read, each registering ops of its own "
+        "(hybridflow.graph.ops.register_op): found in the graph file's folder, then on PYTHONPATH. "
+        "The workers import them too.",
+    )
+    # The node union of the registered ops: ``set_node_types`` puts it here.
+    nodes: list[NodeBase] = Field(description="Operations; edges are derived from data keys.")
     data: DataSpec = Field(default_factory=DataSpec)
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
 
 
 ModelSource.model_rebuild()
 UpdateOptions.model_rebuild()
+
+
+_ENGINE_BASES: dict[str, type[Spec]] = {"train": TrainEngineSpec, "rollout": RolloutSpec}
+
+
+class _TagInSchema:
+    """JSON-schema side of the engine union: a member matches only its own ``engine`` value
+    (the default engine's also a section without one), as the validator's discriminator does."""
+
+    def __init__(self, name: str, is_default: bool) -> None:
+        self.name, self.is_default = name, is_default
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict:
+        named = {"required": ["engine"], "properties": {"engine": {"const": self.name}}}
+        tag = {"anyOf": [named, {"not": {"required": ["engine"]}}]} if self.is_default else named
+        return {"allOf": [handler(core_schema), tag]}
+
+
+def _engine_tag(kind: str):
+    default = _ENGINE_BASES[kind].model_fields["engine"].default
+
+    def tag(value: Any) -> Any:
+        return value.get("engine", default) if isinstance(value, dict) else getattr(value, "engine", None)
+
+    return tag
+
+
+def set_engine_configs(kind: str, configs: dict[str, type[Spec]]) -> None:
+    """Make ``configs`` (engine name -> config model) the engines of ``kind`` ("train" or
+    "rollout") graph files may name: ``ModelSpec.<kind>`` becomes their union, discriminated by
+    ``engine`` (``hybridflow.spec.engines.register_engine`` calls this)."""
+    _ENGINE_CONFIGS[kind].clear()
+    _ENGINE_CONFIGS[kind].update(configs)
+    if not configs:
+        return
+    default = _ENGINE_BASES[kind].model_fields["engine"].default
+    union = Annotated[
+        Union[tuple(Annotated[config, Tag(name), _TagInSchema(name, name == default)] for name, config in configs.items())],
+        Discriminator(_engine_tag(kind)),
+    ]
+    field = ModelSpec.model_fields[kind]
+    if kind == "train":
+        field.annotation, field.default_factory = union, configs.get(default, _ENGINE_BASES[kind])
+    else:
+        field.annotation = Union[union, None]
+    ModelSpec.model_rebuild(force=True)
+    GraphSpec.model_rebuild(force=True)
 
 
 def node_types() -> dict[str, type[NodeBase]]:
@@ -903,3 +918,7 @@ def set_node_types(types: dict[str, type[NodeBase]]) -> None:
     union = Annotated[Union[tuple(types.values())], Field(discriminator="op")]
     GraphSpec.model_fields["nodes"].annotation = list[union]
     GraphSpec.model_rebuild(force=True)
+
+
+# The built-in engines register their configs (after GraphSpec exists: registering rebuilds it).
+import hybridflow.spec.engines  # noqa: E402,F401

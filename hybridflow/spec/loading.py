@@ -12,7 +12,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from hybridflow.data.echo import ECHO_CHARS, shorten
-from hybridflow.spec.graph import GraphSpec, node_types
+from hybridflow.spec.engines import engine_names
+from hybridflow.spec.graph import OtherEngineOption, node_types
 from hybridflow.spec.pool import PoolsFile
 
 M = TypeVar("M", bound=BaseModel)
@@ -117,14 +118,22 @@ def apply_overrides(raw: dict, overrides: list[str], file: str | Path) -> dict:
 
 def _field_path(loc: tuple) -> str:
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in node_types():
+        elif part in node_types() or _engine_tag(loc, i):
             continue  # discriminated-union tag, not a field the user wrote
         else:
             out += f".{part}" if out else str(part)
     return out
+
+
+ENGINE_KINDS = ("train", "rollout")  # the model fields that are unions over registered engines
+
+
+def _engine_tag(loc: tuple, i: int) -> bool:
+    """``loc[i]`` is the engine tag pydantic puts after ``models.<m>.train`` / ``.rollout``."""
+    return i >= 3 and loc[i - 3] == "models" and loc[i - 1] in ENGINE_KINDS and loc[i] in engine_names(loc[i - 1])
 
 
 def validate_model(model: type[M], raw: dict, file: str | Path) -> M:
@@ -135,6 +144,8 @@ def validate_model(model: type[M], raw: dict, file: str | Path) -> M:
         err = exc.errors()[0]
         more = len(exc.errors()) - 1
         field = _field_path(err["loc"])
+        if isinstance(err.get("ctx", {}).get("error"), OtherEngineOption):
+            field += f".{err['ctx']['error'].key}"
         if err["type"] == "extra_forbidden":
             message = "unknown field"
         elif err["type"] == "missing":
@@ -143,16 +154,14 @@ def validate_model(model: type[M], raw: dict, file: str | Path) -> M:
             message = err["msg"].removeprefix("Value error, ")
             if "input" in err and not isinstance(err["input"], (dict, list)):
                 message += f" (got {shorten(repr(err['input']))})"
-        if err["type"] == "union_tag_invalid":
+        if err["type"] == "union_tag_invalid" and err["loc"][-1] in ENGINE_KINDS:
+            field += ".engine"
+            message = f"unknown {err['loc'][-1]} engine {shorten(repr(err['ctx']['tag']))}; known: {', '.join(engine_names(err['loc'][-1]))}"
+        elif err["type"] == "union_tag_invalid":
             message = f"unknown op {shorten(repr(err['ctx']['tag']))}; expected one of {err['ctx']['expected_tags']}"
         if more:
             message += f" (+{more} more error{'s' if more > 1 else ''})"
         raise SpecError(file, field, message) from None
-
-
-def load_graph_spec(path: str | Path, overrides: list[str] = ()) -> GraphSpec:
-    raw = apply_overrides(read_yaml(path), list(overrides), path)
-    return validate_model(GraphSpec, raw, path)
 
 
 def load_pools(path: str | Path) -> PoolsFile:

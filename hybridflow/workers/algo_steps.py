@@ -1,6 +1,6 @@
 """The algorithm side of the worker ops: which batch fields feed which estimator or loss.
 
-``ModelWorker`` calls these from its ``advantage`` and ``update_*`` bodies; the math itself is
+The ``advantage`` and ``update`` op bodies (``hybridflow.workers.ops``) call these; the math itself is
 in ``hybridflow.algos``. Graph keys decide the fields: an advantage node reading ``costs`` and
 ``cost_values`` and writing ``cost_advantages`` runs the same estimator as one reading
 ``scores`` and ``values`` and writing ``advantages``, on the cost fields. Which key fills which
@@ -78,14 +78,14 @@ def build_controllers(spec: GraphSpec, models: list[str]) -> dict[str, Any]:
         if node.model not in models:
             continue
         opts = node.options
-        if node.op == "advantage" and opts.kl_coef > 0:
+        if isinstance(opts, AdvantageOptions) and opts.kl_coef > 0:
             if opts.kl_target is None:
                 state[f"kl_ctrl/{node.name}"] = FixedKLController(opts.kl_coef)
             else:
                 state[f"kl_ctrl/{node.name}"] = AdaptiveKLController(
                     opts.kl_coef, opts.kl_target, opts.kl_horizon
                 )
-        if node.op == "update" and opts.safety is not None:
+        if isinstance(opts, UpdateOptions) and opts.safety is not None:
             safety = opts.safety
             state[f"lagrange/{node.name}"] = LagrangeMultiplier(
                 safety.lambda_init, safety.lambda_lr, safety.cost_threshold, safety.lambda_max

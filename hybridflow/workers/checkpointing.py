@@ -6,7 +6,7 @@
                                         each tensor is stored as pieces of the full tensor, so it
                                         loads under another tp x pp x dp (engine ``state_dict``)
     CHECKPOINT/pool_<pool>/rank_<r>.pt  the rank's own state: its torch RNG and the algorithm
-                                        state the worker keeps (``ModelWorker.extra_state``)
+                                        state the worker keeps (``WorkerContext.extra_state``)
 
 Resuming with the pool's number of ranks unchanged, every rank takes its own file back, so the
 run continues bit for bit. With another number of ranks a per-rank RNG stream has no owner: every

@@ -26,7 +26,7 @@ from typing import Any
 
 import ray
 
-from hybridflow.placement.pools import ResourcePool
+from hybridflow.workers.pools import ResourcePool
 from hybridflow.workers.base import Worker
 from hybridflow.workers.accounting import controller_get
 from hybridflow.workers.protocols import Dispatch, dispatch_table, get_protocol, text_table

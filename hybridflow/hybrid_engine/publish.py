@@ -1,0 +1,111 @@
+"""Weights for a standalone rollout (``rollout.pool``): the actor trains on one pool and its
+rollout engine generates on another, so each sync goes through the object store.
+
+Rank 0 of the training pool ``publish``es the weights in buckets; every rank of the rollout pool
+``receive``s them. With partial rollouts (``trainer.async.partial_rollout``) the receive runs on
+the rollout actor's side thread, beside a generation: it only fetches the buckets and stages
+them (``StagedWeights``); the generation in progress loads them between two decoding steps
+(``StagedWeights.updates``), or the next one loads them first (``StagedWeights.load``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import ray
+import torch
+
+from hybridflow.engines.base import RolloutEngine, TrainEngine, WeightUpdates
+
+
+def publish(engine: TrainEngine, version: int, bucket_mb: float) -> dict:
+    """Put ``engine``'s current weights into the object store in buckets of about
+    ``bucket_mb`` MiB; returns their refs with the weight version and the bytes."""
+    start = time.perf_counter()
+    buckets, bucket, size, total = [], {}, 0, 0
+    limit = bucket_mb * 2**20
+    for name, tensor in engine.named_weights():
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit:
+            buckets.append(ray.put(bucket))
+            bucket, size = {}, 0
+        bucket[name] = tensor
+        size += nbytes
+        total += nbytes
+    if bucket:
+        buckets.append(ray.put(bucket))
+    return {
+        "buckets": buckets,
+        "version": version,
+        "metrics": {"weight_sync/bytes": float(total), "weight_sync/buckets": float(len(buckets)),
+                    "timing/weight_publish": time.perf_counter() - start},
+    }
+
+
+def bucket_items(buckets: list[dict]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs of published weight buckets, as one set for one load."""
+    return (item for bucket in buckets for item in bucket.items())
+
+
+class StagedWeights:
+    """Per model, the newest weights received and not loaded yet: ``(version, buckets)``.
+    Newer weights replace ones not loaded yet. ``versions`` is the worker's map of the weight
+    version each rollout engine holds, updated at each load."""
+
+    def __init__(self, versions: dict[str, int]) -> None:
+        self.versions = versions
+        self._staged: dict[str, tuple[int, list[dict]]] = {}
+        self._lock = threading.Lock()
+
+    def stage(self, model: str, version: int, buckets: list[dict]) -> None:
+        with self._lock:
+            self._staged[model] = (version, buckets)
+
+    def take(self, model: str) -> tuple[int, list[dict]] | None:
+        with self._lock:
+            return self._staged.pop(model, None)
+
+    def load(self, model: str, engine: RolloutEngine) -> None:
+        """Load weights staged since the last generation."""
+        staged = self.take(model)
+        if staged is not None:
+            version, buckets = staged
+            engine.load_weights(bucket_items(buckets))
+            self.versions[model] = version
+
+    def updates(self, model: str, mode: str, versions: list[int]) -> WeightUpdates:
+        """The staged weights, polled between decoding steps by the engine; each load appends
+        its version to ``versions`` and becomes the rollout's version."""
+
+        def poll():
+            staged = self.take(model)
+            if staged is None:
+                return None
+            version, buckets = staged
+            versions.append(version)
+            self.versions[model] = version
+            return bucket_items(buckets)
+
+        return WeightUpdates(poll=poll, mode=mode)
+
+
+def receive(model: str, published: list, engine: RolloutEngine, staged: StagedWeights, partial: bool) -> dict[str, float]:
+    """Load what rank 0 of the training pool published (``published``: ``[ref]``, the ref of its
+    ``publish`` result) into ``engine``, fetching one bucket at a time into one load (a vLLM
+    engine takes whole weight sets); later samples carry the published version. ``partial``:
+    fetch all buckets and stage them for the generation to load."""
+    start = time.perf_counter()
+    (offer,) = ray.get(published)
+    if partial:
+        staged.stage(model, offer["version"], ray.get(list(offer["buckets"])))
+        return {**offer["metrics"], "timing/weight_sync": time.perf_counter() - start}
+
+    def fetched():  # one bucket in memory at a time, all in one load (vLLM needs whole sets)
+        for ref in offer["buckets"]:
+            yield from ray.get(ref).items()
+
+    engine.load_weights(fetched())
+    staged.versions[model] = offer["version"]
+    return {**offer["metrics"], "timing/weight_sync": time.perf_counter() - start}

@@ -1,0 +1,88 @@
+"""Fault hooks for tests: a worker host that can be told to fail, and a Trainer that runs it.
+
+The production host (``hybridflow.workers.model_worker.ModelWorker``) has no such methods; a
+test runs ``FaultyTrainer`` (or sets ``worker_cls = FaultyWorker`` on its own Trainer
+subclass) and calls the hooks through the worker group:
+``ray.get(trainer.groups["default"].call("inject_nonfinite", model="actor", target="loss"))``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+from ray import cloudpickle
+
+from hybridflow.controller.trainer import Trainer
+from hybridflow.workers.model_worker import ModelWorker
+from hybridflow.workers.protocols import Dispatch, register
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import tests/
+
+
+class FaultyWorker(ModelWorker):
+    def run_op(self, batch, *, node: str, **kwargs):
+        """The host's ``run_op``; an update of a model told to (``inject_nonfinite``) runs
+        with a NaN loss."""
+        resolved = self.graph.node(node)
+        left = getattr(self, "_nan_updates", {})
+        if not (self.graph.op(resolved).trains and left.get(resolved.model, 0) > 0):
+            return super().run_op(batch, node=node, **kwargs)
+        left[resolved.model] -= 1
+        engine = self.train_engines[resolved.model]
+        train_step = engine.train_step
+
+        def poisoned_step(mini_batch, loss_fn, *args, **step_kwargs):
+            def poisoned(mb, out):
+                loss, metrics = loss_fn(mb, out)
+                return loss * math.nan, metrics
+
+            return train_step(mini_batch, poisoned, *args, **step_kwargs)
+
+        engine.train_step = poisoned_step
+        try:
+            return super().run_op(batch, node=node, **kwargs)
+        finally:
+            del engine.train_step  # the class's method again
+
+    @register(Dispatch.ONE_TO_ALL)
+    def inject_nonfinite(self, *, model: str, target: str, count: int = 1) -> None:
+        """``target="loss"``: the next ``count`` updates of ``model`` have a NaN loss (every
+        optimizer step of them); ``target="weight"``: one of its weights is NaN now."""
+        if target == "loss":
+            self._nan_updates = {**getattr(self, "_nan_updates", {}), model: count}
+        else:
+            next(iter(self.train_engines[model].named_weights()))[1].view(-1)[0] = math.nan
+
+    @register(Dispatch.ONE_TO_ALL)
+    def inject_stale_rollout(self, *, model: str, count: int = 1) -> None:
+        """Skip the weight sync of the next ``count`` updates of ``model``, so its rollout
+        engine (if it holds its own copy, as vLLM does) generates from stale weights."""
+        left = {"syncs": count}
+        sync_rollout = self.ctx.sync_rollout
+
+        def skipping(name: str) -> dict[str, float]:
+            if name == model and left["syncs"] > 0:
+                left["syncs"] -= 1
+                return {}
+            return sync_rollout(name)
+
+        self.ctx.sync_rollout = skipping
+
+    @register(Dispatch.ONE_TO_ALL)
+    def inject_step_delay(self, *, model: str, seconds: float) -> None:
+        """With partial rollouts, every decoding step of ``model``'s generations takes
+        ``seconds`` longer, so that updates finish while a generation is in flight."""
+        take = self.ctx.staged.take
+
+        def slow_take(name: str):
+            if name == model:
+                time.sleep(seconds)
+            return take(name)
+
+        self.ctx.staged.take = slow_take
+
+
+class FaultyTrainer(Trainer):
+    worker_cls = FaultyWorker
