@@ -5,6 +5,7 @@ anything; every failure is a one-line ``SpecError`` naming the file and the fiel
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from importlib.util import find_spec
 from pathlib import Path
@@ -98,7 +99,7 @@ def check_model_paths(graph: Graph) -> None:
             continue
         field = _source_field(name, model.source)
         path = resolved_model_dir(graph, name)
-        if not path.is_dir():
+        if not os.path.isdir(path):  # False, not OSError, for a name too long
             raise SpecError(graph.file, field, f"model directory {str(path)!r} not found")
         config = path / "config.json"
         if not config.is_file():
@@ -169,3 +170,17 @@ def _check_tokenizer_fits(file: str, field: str, path: Path, tokenizer) -> None:
                 f"its tokenizer ({len(own)} tokens) differs from the actor's ({len(tokenizer)} "
                 "tokens); expected the same tokenizer",
             )
+
+
+def check_score_inputs(graph: Graph, rows: list[dict]) -> None:
+    """A rule, compute_score or remote scorer compares responses with the rows' ground truth:
+    a row without one would score 0 silently, so it stops the run (``DataError``) unless the
+    score node says ``ground_truth: optional``."""
+    from hybridflow.data.datasets import check_ground_truth
+
+    for i, node in enumerate(graph.spec.nodes):
+        if node.op != "score" or node.options.ground_truth == "optional":
+            continue
+        if graph.spec.models[node.model].source.is_scorer:
+            check_ground_truth(rows, f"expected one for score node {node.name!r} (model {node.model!r}); "
+                               f"nodes.{node.name}.options.ground_truth: optional is for a scorer that needs none")

@@ -48,7 +48,10 @@ from hybridflow.controller.checkpoint import Checkpointer
 from hybridflow.controller.executor import IterationResult, chrome_trace, run_nodes
 from hybridflow.controller.loggers import RunLoggers
 from hybridflow.controller.ahead import AheadGeneration
-from hybridflow.controller.preflight import check_engines_installed, check_inputs, check_model_paths, run_tokenizer
+from hybridflow.controller.preflight import (
+    check_engines_installed, check_inputs, check_model_paths, check_score_inputs, run_tokenizer,
+)
+from hybridflow.controller.reaper import mark_run
 from hybridflow.controller.recovery import NanGuard, Recovery, RunStopped
 from hybridflow.controller.run_dir import RunDir
 from hybridflow.data.datasets import DataError, PromptDataset, collate_prompts, load_data
@@ -230,6 +233,7 @@ class Trainer:
         check_inputs(self.graph, tokenizer)
         try:
             train_rows, val_rows = load_data(spec.data, self.graph.file)
+            check_score_inputs(self.graph, train_rows + val_rows)
             self.dataset = PromptDataset(
                 train_rows,
                 tokenizer,
@@ -263,6 +267,8 @@ class Trainer:
         tqdm.write(batch_plan(spec, self.graph.layouts, self.graph.file).describe())
         for name, why in self.graph.redundant_nodes().items():
             tqdm.write(f"note: node {name!r} is redundant: {why}")
+        if not self.address and not ray.is_initialized():
+            mark_run()  # the local Ray about to start is this run's: it ends with the run
         worker_log = start_ray(
             self.address, self.graph.pools.values(), worker_log=None if self.verbose else self.dirs.path / "workers.log"
         )
@@ -397,7 +403,8 @@ class Trainer:
         val = [m["val/reward/mean"] for m in self.history if "val/reward/mean" in m]
         return {
             "run_dir": str(self.run_dir),
-            "iterations": len(self.history),
+            # the last iteration's number: a row lost to a cut metrics line is not a lost iteration
+            "iterations": self.history[-1].get("iteration", len(self.history)) if self.history else 0,
             "reward_first10": sum(rewards[:window]) / max(window, 1),
             "reward_last10": sum(rewards[-window:]) / max(window, 1),
             "val_reward_final": val[-1] if val else None,

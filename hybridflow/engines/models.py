@@ -104,7 +104,7 @@ def gguf_file(source: ModelSource) -> Path | None:
     """The GGUF file of a ``gguf`` or ``package`` source; None for other sources."""
     if source.gguf is not None:
         path = Path(source.gguf)
-        if not path.is_file():
+        if not os.path.isfile(path):  # False, not OSError, for a name too long
             raise ModelSourceError(f"GGUF file {source.gguf!r} not found")
         return path
     if source.package is not None:

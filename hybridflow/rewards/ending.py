@@ -32,10 +32,14 @@ from hybridflow.spec.graph import ScoreOptions
 ENDING_FIELDS = frozenset({"unfinished", "unfinished_score"})  # ScoreOptions fields of this rule
 
 
+# ScoreOptions fields checked before the run starts (controller/preflight.py), not by the scorer
+PREFLIGHT_FIELDS = frozenset({"ground_truth"})
+
+
 def scorer_options(options: ScoreOptions) -> dict:
-    """The scorer's keywords: every ``ScoreOptions`` field but the ending rule's and the
-    overlong punishment's."""
-    return options.model_dump(exclude=ENDING_FIELDS | OVERLONG_FIELDS)
+    """The scorer's keywords: every ``ScoreOptions`` field but the ending rule's, the
+    overlong punishment's and the ones preflight checks."""
+    return options.model_dump(exclude=ENDING_FIELDS | OVERLONG_FIELDS | PREFLIGHT_FIELDS)
 
 
 def unfinished_mask(

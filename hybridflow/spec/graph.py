@@ -18,7 +18,9 @@ _KL_BOUND = "k3 only: each token's KL estimate is clamped to [-kl_bound, kl_boun
 
 
 class Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No setting of a graph file means anything at inf or nan (a temperature of inf samples
+    # uniformly and trains nothing), so no float field takes them.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # -- models -----------------------------------------------------------------------------------
@@ -439,10 +441,27 @@ class ScoreOptions(Spec):
         "and counts it (reward/num_errors)."
     )
     default_reward: float = Field(0.0, description="Score of a sample whose scoring failed.")
+    ground_truth: Literal["required", "optional"] = Field(
+        "required",
+        description="A rule, compute_score or remote scorer: 'required' stops the run before it "
+        "starts at the first data row without a ground truth (file, row and field named), since "
+        "such a scorer would score every sample 0 and train nothing; 'optional' is for a scorer "
+        "that needs none (its rows then carry ''). A learned reward model never needs one.",
+    )
     timeout_s: float | None = Field(
         DEFAULT_SCORE_TIMEOUT_S, gt=0, description="Time limit of one rule/compute_score call (per "
         "sample), in seconds: past it the call's process is killed and replaced, and the sample is "
         "an error (on_error). null = no limit (a hanging rule then hangs the run).",
+    )
+    batch_timeout_s: float | None = Field(
+        300.0, gt=0, description="Time limit of all of a batch's rule/compute_score calls together, "
+        "in seconds: past it the run stops (one line), whatever on_error says. null = no limit. "
+        "Needs num_workers >= 1.",
+    )
+    max_timeout_frac: float = Field(
+        0.25, ge=0, le=1, description="on_error: default: the run stops (one line) once more than "
+        "this share of a batch's calls ran past timeout_s, rather than train on their "
+        "default_reward (on_error: fail stops at the first). Needs num_workers >= 1.",
     )
     num_workers: int = Field(
         1,
@@ -745,7 +764,7 @@ class TrackingSpec(Spec):
 class TrainerSpec(Spec):
     """Length of the run, seeds, validation, logging and what is saved."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True, allow_inf_nan=False)
 
     iterations: int = Field(60, ge=1, description="Iterations (rollout + update) to run.")
     seed: int = Field(0, description="Seed of model init and sampling.")
