@@ -81,7 +81,7 @@ def test_graph_sections_are_unions_of_the_registered_configs():
     spec = load_graph(GRPO, ["models.actor.train.engine=megatron", "models.actor.rollout.engine=vllm",
                              "models.actor.rollout.lora_sync=merged"]).spec
     assert type(spec.models["actor"].train) is MegatronTrainSpec and type(spec.models["actor"].rollout) is VLLMRolloutSpec
-    with pytest.raises(SpecError, match=r"^.*grpo\.yaml: models\.actor\.train\.share_prompts: share_prompts is for train\.engine 'torch' \(engine is 'megatron'\)$"):
+    with pytest.raises(SpecError, match=r"^.*grpo\.yaml: models\.actor\.train\.share_prompts: share_prompts is for train\.engine 'torch' or 'fsdp2' \(engine is 'megatron'\)$"):
         load_graph(GRPO, ["models.actor.train.engine=megatron", "models.actor.train.share_prompts=true"])
     with pytest.raises(SpecError, match=r"grpo\.yaml: models\.actor\.rollout\.engine: unknown rollout engine 'jax'; known: hf, vllm"):
         load_graph(GRPO, ["models.actor.rollout.engine=jax"])

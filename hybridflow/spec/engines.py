@@ -35,7 +35,12 @@ class EngineCaps:
 
     # train engines
     model_parallel: bool = False  # trains under tp x pp layouts (else data-parallel only)
-    full_weights: bool = True  # every rank holds the whole model (named_weights, no resharding)
+    # Parameters, gradients and optimizer state split over the data-parallel ranks (ZeRO-3):
+    # what the planner's memory model divides by dp.
+    sharded_data_parallel: bool = False
+    # named_weights gives the whole model on every rank (held, or gathered from data-parallel
+    # shards), no resharding: a standalone rollout pool can take it
+    full_weights: bool = True
     lora: bool = False  # train: trains LoRA adapters; rollout: takes adapter updates (load_adapter)
     # rollout engines
     generation_tp: bool = False  # generates over a TP group of several ranks (rollout.layout.tp > 1)
@@ -204,6 +209,51 @@ class TorchTrainSpec(TrainEngineSpec):
         return self.compile
 
 
+class FSDP2TrainSpec(TorchTrainSpec):
+    """The FSDP2 engine (torch ``fully_shard`` over the data-parallel ranks): the torch engine's
+    options, with parameters, gradients and AdamW state split over the ranks."""
+
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Mixed precision. bfloat16: FSDP2's mixed-precision policy, "
+        "parameters gathered in bfloat16 for the forward and backward, gradients reduced in "
+        "float32 into float32 master weights and AdamW state (verl's and torchtitan's default "
+        "on GPUs); no autocast.",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="Keep the parameter shards, their gradients and AdamW state in "
+        "CPU memory (FSDP2's CPUOffloadPolicy): each layer's parameters go to the device for its "
+        "forward and backward, and the optimizer steps on the CPU. For a GPU run whose state "
+        "does not fit in device memory even sharded; a no-op on CPU ranks.",
+    )
+    reshard_after_forward: bool = Field(
+        True,
+        description="Free each layer's gathered parameters after its forward and "
+        "gather them again for the backward (ZeRO-3); false keeps them until the backward "
+        "(ZeRO-2's memory: one all-gather fewer per layer and update).",
+    )
+    sync_bucket_mb: float = Field(
+        64.0,
+        gt=0,
+        description="A weight sync gathers the full parameters this many MiB at a "
+        "time (in parameter order, one parameter at least) and hands them to the rollout "
+        "engine before gathering the next: no rank holds a second full copy for the sync, "
+        "only one bucket (reshard/peak_bytes).",
+    )
+
+    @model_validator(mode="after")
+    def _what_fsdp2_does_not_do(self) -> "FSDP2TrainSpec":
+        # The adapter syncs read the adapters as plain tensors; under fully_shard they are
+        # DTensor shards, and peft's layers are not sharded per adapter.
+        if self.lora is not None:
+            raise ValueError("lora is not supported by train.engine 'fsdp2'; use train.engine 'torch'")
+        # The regional compile wraps the layer classes fully_shard hooks into: untried together.
+        if self.compile:
+            raise ValueError("compile is not supported by train.engine 'fsdp2'; use train.engine 'torch'")
+        return self
+
+
 class MegatronTrainSpec(TrainEngineSpec):
     """The megatron-core engine (TP x PP x DP); it computes in its ``dtype`` and runs padded."""
 
@@ -244,6 +294,10 @@ _MEGATRON_INSTALL = "pip install -e '.[megatron]' (make install does)"
 register_engine(EngineRecord(
     "torch", "train", "hybridflow.engines.torch_engine:TorchTrainEngine", TorchTrainSpec,
     EngineCaps(lora=True),
+))
+register_engine(EngineRecord(
+    "fsdp2", "train", "hybridflow.engines.fsdp_engine:FSDP2TrainEngine", FSDP2TrainSpec,
+    EngineCaps(sharded_data_parallel=True),
 ))
 register_engine(EngineRecord(
     "megatron", "train", "hybridflow.engines.megatron.engine:MegatronTrainEngine", MegatronTrainSpec,
