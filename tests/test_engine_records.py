@@ -169,6 +169,9 @@ def test_device_check_dry_run_lists_and_skips():
     lines = out.stdout.splitlines()
     assert any(line.startswith("would run: ") for line in lines), out.stdout
     assert any(line.startswith("skip: ") and "vLLM" in line for line in lines), out.stdout
+    # the FSDP2 engine's one-device step against the torch engine's (no Ray, no vLLM)
+    assert any(line.startswith("would run: fsdp2-cuda ") and "tests/gpu/test_fsdp2_cuda.py" in line
+               for line in lines), out.stdout
 
 
 @pytest.mark.slow

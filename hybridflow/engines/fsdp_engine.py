@@ -86,8 +86,11 @@ class FSDP2TrainEngine(TorchTrainEngine):
         return DeviceMesh.from_group(group, device, mesh_dim_names=("dp",))
 
     def _wrap_data_parallel(self, model: nn.Module) -> None:
-        """Shard ``model`` in place, layer by layer and then the rest; one rank: left whole."""
-        if self.dp_size == 1:
+        """Shard ``model`` in place, layer by layer and then the rest, over the group (of one
+        rank too: FSDP2's collectives and mixed precision then run, on one device); without
+        ``torch.distributed``: left whole, the torch engine alone."""
+        self._sharded = dist.is_available() and dist.is_initialized()
+        if not self._sharded:
             return None
         mp = MixedPrecisionPolicy()
         if self.spec.compute_dtype == "bfloat16":
@@ -110,7 +113,7 @@ class FSDP2TrainEngine(TorchTrainEngine):
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def _tail_outputs(self, module: nn.Module, mb, num_tail: int) -> torch.Tensor:
-        if self.dp_size == 1:  # not sharded: the torch engine's autocast
+        if not self._sharded:  # the torch engine's autocast
             return super()._tail_outputs(module, mb, num_tail)
         return self._tail_outputs_at_dtype(module, mb, num_tail)  # the policy casts
 
@@ -134,9 +137,9 @@ class FSDP2TrainEngine(TorchTrainEngine):
         """Full tensors with HF names, gathered one bucket at a time on every rank (collective:
         every rank of the group iterates to the end). A bucket's tensors are dropped when the
         next is gathered, so a consumer that copies them (a rollout engine's ``load_weights``)
-        holds one bucket beside its own weights. Unsharded (one rank): the parameters
+        holds one bucket beside its own weights. Unsharded: the parameters
         themselves, as the torch engine gives them."""
-        if self.dp_size == 1:
+        if not self._sharded:
             yield from super().named_weights()
             return
         stats = {"reshard/peak_bytes": 0.0, "reshard/received_bytes": 0.0, "reshard/model_bytes": 0.0}
@@ -155,8 +158,8 @@ class FSDP2TrainEngine(TorchTrainEngine):
 
     def rollout_module(self, module: nn.Module) -> nn.Module:
         """A full, unsharded copy of the model for the rollout engine (built from its config,
-        then filled by one bucketed gather); one rank: ``module`` itself."""
-        if self.dp_size == 1:
+        then filled by one bucketed gather); unsharded: ``module`` itself."""
+        if not self._sharded:
             return module
         with torch.random.fork_rng(devices=[]):  # the copy's throwaway init draws no run RNG
             copy = self._module_class(self.module.config)
@@ -171,12 +174,13 @@ class FSDP2TrainEngine(TorchTrainEngine):
 
     def save_hf(self, path: str) -> None:
         """Rank 0 writes the full model (gathered into an unsharded copy on every rank)."""
-        if self.dp_size == 1:
+        if not self._sharded:
             return super().save_hf(path)
         copy = self.rollout_module(self.module)
         if self.dp_rank == 0:
             copy.save_pretrained(path)
-        dist.barrier(group=self.process_group)
+        if self.dp_size > 1:
+            dist.barrier(group=self.process_group)
 
     # -- memory ---------------------------------------------------------------------------------
 
