@@ -3,9 +3,9 @@
 For each model (the tiny Qwen2 of ``graphs/grpo.yaml``, SmolLM2-135M-Instruct) and engine, a
 fresh pair of processes builds the engine and takes one update on a small random batch; each
 rank reports the bytes it holds of parameters and gradients (just before the optimizer step)
-and of AdamW state (after it), and its peak resident memory (``memory/peak_rss_bytes`` as the
-workers log it: the kernel's high-water mark). One pair per row, so each peak is that
-engine's alone.
+and of AdamW state (after it), and its peak resident memory: ``memory/peak_rss_bytes`` as the
+workers log it (``ru_maxrss``) and the process's own ``VmHWM``. One pair per row, so each peak
+is that engine's alone.
 
     .venv/bin/python benchmarks/fsdp2_memory.py [--models tiny smollm2] [--json OUT]
 """
@@ -80,11 +80,27 @@ def _worker(rank: int, init_file: str, out_file: str, model_name: str, engine_na
     engine.train_step(_batch(model.config.vocab_size, rank), _loss)
     seen["optimizer"] = state_bytes(engine.module, engine.optimizer)["optimizer"]
     seen["peak_rss_bytes"] = memory_metrics()["memory/peak_rss_bytes"]
+    seen["vm_hwm_bytes"] = _vm_hwm()
     if rank == 0:
         seen["num_params"] = sum(p.numel() for p in engine.module.parameters())
     dist.destroy_process_group()
     with open(f"{out_file}.{rank}", "w") as f:
         json.dump(seen, f)
+
+
+def _vm_hwm() -> float:
+    """This process's own resident high-water mark (VmHWM, reset at exec; ``ru_maxrss`` also
+    keeps the forking parent's resident size at the fork)."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return float(line.split()[1]) * 1024
+
+
+def _prefetch(_rank: int) -> None:
+    from hybridflow.engines.models import model_dir
+    from hybridflow.spec.graph import ModelSource
+
+    model_dir(ModelSource(package=SMOLLM2))
 
 
 def measure(model_name: str, engine_name: str) -> list[dict]:
@@ -99,21 +115,19 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
     parser.add_argument("--json")
     args = parser.parse_args()
-    if "smollm2" in args.models:  # dequantise the GGUF once, outside the measured processes
-        from hybridflow.engines.models import model_dir
-        from hybridflow.spec.graph import ModelSource
-
-        model_dir(ModelSource(package=SMOLLM2))
+    if "smollm2" in args.models:  # dequantise the GGUF once, in a process of its own: a fork
+        mp.spawn(_prefetch, nprocs=1, join=True)  # of a large parent would raise the ranks' ru_maxrss
     rows = []
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}")
-    print(f"{'model':<8} {'engine':<6} {'rank':>4} {'params MB':>10} {'grads MB':>9} {'AdamW MB':>9} {'sum MB':>8} {'peak RSS MB':>12}")
+    print(f"{'model':<8} {'engine':<6} {'rank':>4} {'params MB':>10} {'grads MB':>9} {'AdamW MB':>9} {'sum MB':>8} {'peak RSS MB':>12} {'VmHWM MB':>9}")
     for model_name in args.models:
         for engine_name in ("torch", "fsdp2"):
             for rank, r in enumerate(measure(model_name, engine_name)):
                 total = r["params"] + r["grads"] + r["optimizer"]
                 rows.append({"model": model_name, "engine": engine_name, "rank": rank, **r, "sum": total})
                 print(f"{model_name:<8} {engine_name:<6} {rank:>4} {r['params'] / 1e6:>10.3f} {r['grads'] / 1e6:>9.3f} "
-                      f"{r['optimizer'] / 1e6:>9.3f} {total / 1e6:>8.3f} {r['peak_rss_bytes'] / 1e6:>12.0f}")
+                      f"{r['optimizer'] / 1e6:>9.3f} {total / 1e6:>8.3f} {r['peak_rss_bytes'] / 1e6:>12.0f} "
+                      f"{r['vm_hwm_bytes'] / 1e6:>9.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

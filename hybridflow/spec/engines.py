@@ -122,8 +122,8 @@ def caps_of(spec: Any) -> EngineCaps:
 # -- the built-in engines' configs --------------------------------------------------------------
 
 
-class TorchTrainSpec(TrainEngineSpec):
-    """The torch engine (DDP over gloo or nccl): its options besides the common ones."""
+class _TorchUpdateSpec(TrainEngineSpec):
+    """Options of the torch update loop (``TorchTrainEngine``) that every wrapper of it takes."""
 
     compute_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
@@ -170,6 +170,15 @@ class TorchTrainSpec(TrainEngineSpec):
         "backward, so no full-vocabulary float32 logits of a whole micro-batch are held. Equal "
         "to the full logits' read-outs up to float rounding. null = project every token at once.",
     )
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.micro_batch_tokens
+
+
+class TorchTrainSpec(_TorchUpdateSpec):
+    """The torch engine (DDP over gloo or nccl): its options besides the common ones."""
+
     compile: bool = Field(
         False,
         description="torch.compile the model's decoder layers (regional "
@@ -201,15 +210,11 @@ class TorchTrainSpec(TrainEngineSpec):
         return self.lora
 
     @property
-    def token_budget(self) -> int | None:
-        return self.micro_batch_tokens
-
-    @property
     def compiles(self) -> bool:
         return self.compile
 
 
-class FSDP2TrainSpec(TorchTrainSpec):
+class FSDP2TrainSpec(_TorchUpdateSpec):
     """The FSDP2 engine (torch ``fully_shard`` over the data-parallel ranks): the torch engine's
     options, with parameters, gradients and AdamW state split over the ranks."""
 
@@ -242,16 +247,25 @@ class FSDP2TrainSpec(TorchTrainSpec):
         "only one bucket (reshard/peak_bytes).",
     )
 
-    @model_validator(mode="after")
-    def _what_fsdp2_does_not_do(self) -> "FSDP2TrainSpec":
-        # The adapter syncs read the adapters as plain tensors; under fully_shard they are
-        # DTensor shards, and peft's layers are not sharded per adapter.
-        if self.lora is not None:
-            raise ValueError("lora is not supported by train.engine 'fsdp2'; use train.engine 'torch'")
-        # The regional compile wraps the layer classes fully_shard hooks into: untried together.
-        if self.compile:
-            raise ValueError("compile is not supported by train.engine 'fsdp2'; use train.engine 'torch'")
-        return self
+    # The torch engine's LoRA and compile are not options here (a section naming them is
+    # refused as another engine's option): the adapter syncs read the adapters as plain
+    # tensors, which fully_shard makes DTensor shards, and the regional compile of the layers
+    # fully_shard hooks into is untried.
+    @property
+    def lora(self) -> None:
+        return None
+
+    @property
+    def compile(self) -> bool:
+        return False
+
+    @property
+    def adapters(self) -> None:
+        return None
+
+    @property
+    def compiles(self) -> bool:
+        return False
 
 
 class MegatronTrainSpec(TrainEngineSpec):
