@@ -12,7 +12,8 @@ prompts, chunked log-probs, clipping, the LR schedule, layout-free checkpoints. 
   rank contributions add up).
 - gradient accumulation reduce-scatters every micro-batch into the sharded gradients (no
   ``no_sync``: holding unsharded gradients until the last micro-batch would cost DDP's memory);
-  the sum is the same up to float rounding.
+  the sum is the same up to float rounding. Every rank therefore runs the same number of
+  micro-batches (``_micro_batch_rows``), forwards included.
 - ``clip_grad_norm_`` over DTensor gradients returns a replicated DTensor: its local value is
   the global norm.
 - weights for sync (``named_weights``) are full tensors gathered a bucket at a time; the
@@ -104,6 +105,31 @@ class FSDP2TrainEngine(TorchTrainEngine):
                 fully_shard(module, reshard_after_forward=self.spec.reshard_after_forward, **options)
         fully_shard(model, **options)
         return None
+
+    def _micro_batch_rows(self, batch) -> list[torch.Tensor]:
+        """The torch engine's micro-batches (fixed-size or token-budget), as rows, cut further
+        until every rank has as many as the rank with the most: each micro-batch's forward
+        and backward are collectives (a layer's gather, its gradients' reduce-scatter), which
+        DDP's are not until the last backward. Splitting the largest micro-batch in two keeps
+        the gradients (loss normalisers are global); ranks hold equal sample counts (the
+        dispatch splits batches evenly), so enough micro-batches always exist."""
+        rows = super()._micro_batch_rows(batch)
+        if not self._sharded or self.dp_size == 1:
+            return rows
+        if not rows:
+            rows = list(torch.arange(batch.batch_size[0]).split(self.spec.micro_batch_size))
+        count = torch.tensor([len(rows)], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.process_group)
+        while len(rows) < int(count):
+            largest = max(range(len(rows)), key=lambda i: len(rows[i]))
+            if len(rows[largest]) < 2:
+                raise RuntimeError(
+                    f"rank {self.dp_rank}: {batch.batch_size[0]} samples cannot make the "
+                    f"{int(count)} micro-batches another data-parallel rank has"
+                )
+            half = len(rows[largest]) // 2
+            rows[largest : largest + 1] = [rows[largest][:half], rows[largest][half:]]
+        return rows
 
     def _gradient_sync(self, is_last: bool):
         return super()._gradient_sync(True)  # reduce-scatter every micro-batch (module docstring)
