@@ -111,3 +111,24 @@ def test_traces_after_the_checkpoint_are_dropped(tmp_path):
         run.trace(i).write_text("{}")
     run.drop_traces_after(2)
     assert sorted(p.name for p in (tmp_path / "trace").iterdir()) == ["iteration_00001.json", "iteration_00002.json"]
+
+
+@pytest.mark.parametrize("before, after", [("torch", "fsdp2"), ("fsdp2", "torch")])
+def test_a_train_engine_of_the_same_checkpoint_format_is_honoured(before, after):
+    """DDP and FSDP2 write the same layout-free checkpoints: a resume may swap them, with the
+    options only one of them has; an option both have still may not change, nor may megatron
+    (another checkpoint format) take over."""
+    honoured, refused = resume_changes(
+        resolved(overrides=(f"models.actor.train.engine={before}",)),
+        resolved(overrides=(f"models.actor.train.engine={after}",)),
+    )
+    assert refused == [], refused
+    assert f"models.actor.train.engine: {before} -> {after}" in honoured
+    assert any(c.startswith("models.actor.train.sync_bucket_mb: ") for c in honoured), honoured
+    _, refused = resume_changes(
+        resolved(overrides=(f"models.actor.train.engine={before}",)),
+        resolved(overrides=(f"models.actor.train.engine={after}", "models.actor.train.remove_padding=false")),
+    )
+    assert refused == ["models.actor.train.remove_padding: True -> False"]
+    _, refused = resume_changes(resolved(), resolved(overrides=("models.actor.train.engine=megatron",)))
+    assert "models.actor.train.engine: torch -> megatron" in refused

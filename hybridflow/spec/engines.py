@@ -51,6 +51,9 @@ class EngineCaps:
     # both
     slow_start: bool = False  # building it takes tens of CPU-seconds (imports, compilation)
     needs_cuda: bool = False  # runs on CUDA devices only
+    # train: engines with the same value write and read the same checkpoints (names, tensors),
+    # so a resume may change from one to another
+    checkpoint_format: str | None = None
     package: str | None = None  # a module that must be importable (an optional dependency)
     install: str | None = None  # how to install ``package``
 
@@ -307,11 +310,11 @@ class VLLMRolloutSpec(RolloutSpec):
 _MEGATRON_INSTALL = "pip install -e '.[megatron]' (make install does)"
 register_engine(EngineRecord(
     "torch", "train", "hybridflow.engines.torch_engine:TorchTrainEngine", TorchTrainSpec,
-    EngineCaps(lora=True),
+    EngineCaps(lora=True, checkpoint_format="torch-dcp"),
 ))
 register_engine(EngineRecord(
     "fsdp2", "train", "hybridflow.engines.fsdp_engine:FSDP2TrainEngine", FSDP2TrainSpec,
-    EngineCaps(sharded_data_parallel=True),
+    EngineCaps(sharded_data_parallel=True, checkpoint_format="torch-dcp"),
 ))
 register_engine(EngineRecord(
     "megatron", "train", "hybridflow.engines.megatron.engine:MegatronTrainEngine", MegatronTrainSpec,
