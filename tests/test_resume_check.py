@@ -132,3 +132,11 @@ def test_a_train_engine_of_the_same_checkpoint_format_is_honoured(before, after)
     assert refused == ["models.actor.train.remove_padding: True -> False"]
     _, refused = resume_changes(resolved(), resolved(overrides=("models.actor.train.engine=megatron",)))
     assert "models.actor.train.engine: torch -> megatron" in refused
+
+
+def test_a_checkpoint_of_the_torch_engine_loads_under_fsdp2_and_back_not_under_megatron():
+    from hybridflow.controller.checkpoint import _same_checkpoint_format
+
+    assert _same_checkpoint_format("torch", "fsdp2") and _same_checkpoint_format("fsdp2", "torch")
+    assert not _same_checkpoint_format("torch", "megatron") and not _same_checkpoint_format("megatron", "fsdp2")
+    assert not _same_checkpoint_format("gone", "torch")
