@@ -568,7 +568,8 @@ class ModelWorker(Worker):
             "buckets": buckets,
             "version": self.train_versions[model],
             "metrics": {"weight_sync/bytes": float(total), "weight_sync/buckets": float(len(buckets)),
-                        "timing/weight_publish": time.perf_counter() - start},
+                        "timing/weight_publish": time.perf_counter() - start,
+                        **self.train_engines[model].sync_metrics()},  # a sharded engine's gathers
         }
 
     @register(Dispatch.ONE_TO_ALL)
