@@ -132,8 +132,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     import time
 
     from hybridflow.graph.dag import build_graph
-    from hybridflow.placement.automapper import plan_dp, plan_even_batch
     from hybridflow.graph.plugins import load_graph_spec
+    from hybridflow.placement.automapper import plan_dp, plan_even_batch, train_memory_lines
 
     # The batch is checked against the plan's layouts, not the whole pool's: plan_even_batch.
     spec = load_graph_spec(args.graph, args.overrides)
@@ -150,6 +150,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         f"pool {pool_name!r}: {pool.num_devices} x {pool.device} ({mapper.sim.profile.name}), "
         f"{pool.devices_per_node} per node; {mapper.num_evaluated} plans scored in {seconds:.2f} s"
     )
+    for line in train_memory_lines(mapper, pool.num_devices):
+        print(line)
     if not plans:
         raise SpecError(graph.file, "models", f"the models do not fit on pool {pool_name!r} in any placement")
     if prompts != spec.data.prompts_per_iteration:

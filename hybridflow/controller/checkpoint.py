@@ -338,12 +338,22 @@ class Checkpointer:
             saved = meta["engines"].get(model)
             if saved is None:
                 raise SpecError(path, f"models.{model}", "this trained model is not in the checkpoint")
-            if saved != engine:
+            if saved != engine and not _same_checkpoint_format(saved, engine):
                 raise SpecError(path, f"models.{model}.train.engine",
                                 f"saved by the {saved!r} engine; resume with train.engine {saved!r}")
         changes = layout_changes(meta, self._meta())
         if changes:
             log.warning("resuming iteration %d under another layout: %s", meta["iteration"], "; ".join(changes))
+
+
+def _same_checkpoint_format(saved: str, engine: str) -> bool:
+    """Whether train engine ``engine`` reads what ``saved`` wrote (torch DDP <-> FSDP2)."""
+    from hybridflow.spec.engines import engine_names, engine_record
+
+    if saved not in engine_names("train"):
+        return False
+    formats = {engine_record("train", name).caps.checkpoint_format for name in (saved, engine)}
+    return len(formats) == 1 and None not in formats
 
 
 def layout_changes(saved: dict, now: dict) -> list[str]:

@@ -358,6 +358,7 @@ def plan_graph(graph, model_size_name: str | None = None) -> PlanGraph:
             trainable=name in updated,
             micro_batch=None if model_size_name else m.train.micro_batch_size,
             any_layout=model_size_name is not None or caps_of(m.train).model_parallel,
+            state_sharding=_state_sharding(caps_of(m.train), model_size_name),
             flexible_generation=m.rollout is not None and (caps_of(m.rollout).generation_tp or model_size_name is not None),
         )
     actor = spec.models[graph.actor]
@@ -372,6 +373,34 @@ def plan_graph(graph, model_size_name: str | None = None) -> PlanGraph:
         micro_batch=1 if model_size_name else actor.train.micro_batch_size,
     )
     return PlanGraph(models, _op_nodes(graph.nodes, graph.dag), workload)
+
+
+def _state_sharding(caps, model_size_name: str | None) -> str:
+    """``ModelInfo.state_sharding`` of a model under its train engine (``--model-size`` plans
+    every model as megatron-core would run it)."""
+    if model_size_name is not None or caps.model_parallel:
+        return "model_parallel"
+    return "data_parallel" if caps.sharded_data_parallel else "replicated"
+
+
+def train_memory_lines(mapper: "AutoMapper", n: int) -> list[str]:
+    """For each trained model: its static bytes per device on ``n`` devices alone, under its
+    train engine, with the arithmetic (the layout with the least), and whether it fits."""
+    usable = mapper.sim.usable_memory()
+    lines = []
+    for name, info in mapper.graph.models.items():
+        if not info.trainable or info.arch is None:
+            continue
+        memory, terms = min(
+            (mapper.sim.static_memory_terms(info, layout) for layout in mapper.sim.layouts(info, n)),
+            key=lambda t: t[0],
+        )
+        verdict = "fits" if memory <= usable else "does not fit"
+        lines.append(
+            f"{name} train state per device on {n} devices: {terms} = {memory / 1e9:.4g} GB; "
+            f"{verdict} in {usable / 1e9:.4g} GB usable"
+        )
+    return lines
 
 
 def _op_nodes(nodes, dag: nx.DiGraph) -> tuple[OpNode, ...]:
