@@ -178,8 +178,8 @@ def check_score_inputs(graph: Graph, rows: list[dict]) -> None:
     score node says ``ground_truth: optional``."""
     from hybridflow.data.datasets import check_ground_truth
 
-    for i, node in enumerate(graph.spec.nodes):
-        if node.op != "score" or node.options.ground_truth == "optional":
+    for node in graph.nodes:
+        if not graph.op(node).scores or getattr(node.spec.options, "ground_truth", None) == "optional":
             continue
         if graph.spec.models[node.model].source.is_scorer:
             check_ground_truth(rows, f"expected one for score node {node.name!r} (model {node.model!r}); "
