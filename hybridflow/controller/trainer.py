@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
 import time
 from collections import deque
@@ -124,6 +125,7 @@ class Trainer:
         self.nan_guard = NanGuard(options.nan_tolerance)
         self.recovery = Recovery(self.dirs.events, options.max_restarts)
         self.checkpointer = Checkpointer(self.dirs, graph, self.extra_state)
+        self.started = time.perf_counter()  # fit() restarts it
 
     @property
     def run_dir(self) -> Path:
@@ -138,7 +140,7 @@ class Trainer:
         the run goes back to the newest checkpoint (or its start), metrics rows logged after it
         are cut, and the iterations run again, at most ``trainer.max_restarts`` times.
         """
-        started = time.perf_counter()
+        started = self.started = time.perf_counter()
         try:
             self._setup()  # inside: a group that fails to start must not leak its pool
             total = self.spec.trainer.iterations
@@ -214,6 +216,9 @@ class Trainer:
         interval = self.spec.trainer.val_interval
         if interval and (iteration % interval == 0 or iteration == self.spec.trainer.iterations):
             metrics.update(self.validate())
+        # Since this process started the run (setup included): what a comparison of two
+        # algorithms' cost plots against (`hybridflow plot --x wall`).
+        metrics["time/wall_s"] = time.perf_counter() - self.started
         self.nan_guard.observe(metrics)
         self.logger.log(metrics, {name: out.metas for name, out in result.outputs.items()})
         self.history.append(metrics)
@@ -381,6 +386,11 @@ class Trainer:
     def save_actor(self, path: Path) -> None:
         group = self.groups[self.graph.placement[self.graph.actor]]
         ray.get(group.call("save_hf", model=self.graph.actor, path=str(path.resolve())))
+        # With its tokenizer the saved actor is a whole model: another graph's source
+        # (`source: {run: ...}`), `hybridflow eval --actor`, or transformers itself.
+        for target in (path, path / "merged"):
+            if target.is_dir():
+                shutil.copytree(self.dirs.tokenizer, target, dirs_exist_ok=True)
 
     def shutdown(self) -> None:
         if hasattr(self, "logger"):
