@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     plot.add_argument("--out", help="PNG path (default RUN_DIR/plot.png, or compare.png for several)")
     plot.add_argument("--x", choices=["iteration", "wall"], default="iteration",
-                      help="x axis: the iteration, or wall-clock seconds since the run started")
+                      help="x axis: the iteration, or wall-clock seconds since the run's first iteration began")
 
     serve = sub.add_parser("serve-reward", help="serve a rule reward over HTTP (JSON) for remote scoring")
     serve.add_argument("rule", help="'module:function' scoring (prompt, response, ground_truth)")

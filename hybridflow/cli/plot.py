@@ -4,9 +4,9 @@ Panels: reward (training mean, and greedy validation where logged), KL to the re
 entropy, mean response length, and the wall time of every node. Several run directories overlay
 in one figure (one colour per run) to compare them. Reads only ``metrics.jsonl``.
 
-``--x wall`` puts wall-clock seconds since the run started on the x axis instead of the
-iteration (``time/wall_s``; rows of runs logged before that metric existed fall back to the
-sum of ``timing/iteration`` so far, which leaves out setup and validation): two algorithms
+``--x wall`` puts wall-clock seconds since the run's first iteration began on the x axis
+instead of the iteration (``time/wall_s``; rows of runs logged before that metric existed fall
+back to the sum of ``timing/iteration`` so far, which leaves out validation): two algorithms
 compared by what they cost, not by their step counts.
 """
 

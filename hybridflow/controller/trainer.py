@@ -125,7 +125,7 @@ class Trainer:
         self.nan_guard = NanGuard(options.nan_tolerance)
         self.recovery = Recovery(self.dirs.events, options.max_restarts)
         self.checkpointer = Checkpointer(self.dirs, graph, self.extra_state)
-        self.started = time.perf_counter()  # fit() restarts it
+        self.started = time.perf_counter()  # fit() restarts it once set up
 
     @property
     def run_dir(self) -> Path:
@@ -140,9 +140,10 @@ class Trainer:
         the run goes back to the newest checkpoint (or its start), metrics rows logged after it
         are cut, and the iterations run again, at most ``trainer.max_restarts`` times.
         """
-        started = self.started = time.perf_counter()
+        started = time.perf_counter()
         try:
             self._setup()  # inside: a group that fails to start must not leak its pool
+            self.started = time.perf_counter()
             total = self.spec.trainer.iterations
             last = min(total, stop_after or total)
             resume_from = self.checkpointer.latest_intact() if self.resume else None
@@ -216,8 +217,9 @@ class Trainer:
         interval = self.spec.trainer.val_interval
         if interval and (iteration % interval == 0 or iteration == self.spec.trainer.iterations):
             metrics.update(self.validate())
-        # Since this process started the run (setup included): what a comparison of two
-        # algorithms' cost plots against (`hybridflow plot --x wall`).
+        # What a comparison of two algorithms' cost plots against (`hybridflow plot --x wall`):
+        # from the end of setup, whose time (Ray, workers) follows the machine's load more
+        # than the algorithm; validation included.
         metrics["time/wall_s"] = time.perf_counter() - self.started
         self.nan_guard.observe(metrics)
         self.logger.log(metrics, {name: out.metas for name, out in result.outputs.items()})
