@@ -217,6 +217,29 @@ def test_a_lora_runs_adapters_are_merged_into_its_base(tmp_path, monkeypatch):
     assert model_dir(ModelSource(run=str(run))) == str(merged)  # merged once
 
 
+def test_eval_takes_a_run_source_as_the_actor_as_it_takes_the_run_directory(tmp_path, monkeypatch, capsys):
+    from hybridflow.cli.main import main
+
+    monkeypatch.chdir(ROOT)
+    from transformers import AutoModelForCausalLM
+
+    run = _saved_run(tmp_path / "run", seed=7)
+    # Random models of either seed answer "========"; this one answers something else.
+    model = AutoModelForCausalLM.from_pretrained(run / "actor")
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+    model.save_pretrained(run / "actor")
+    texts = {}
+    for name, args in (("source", [f"models.actor.source={{run: {run}}}"]), ("actor", ["--actor", str(run)]),
+                       ("base", [])):
+        out = tmp_path / f"{name}.json"
+        assert main(["eval", "graphs/grpo.yaml", *args, "--limit", "4", "--k", "1", "--engine", "hf",
+                     "--json", str(out)]) == 0
+        texts[name] = [p["greedy"] for p in json.loads(out.read_text())["prompts"]]
+    assert texts["source"] == texts["actor"] != texts["base"]
+
+
 # -- refusals, in one line, before any worker ---------------------------------------------------
 
 
