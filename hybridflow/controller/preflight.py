@@ -96,7 +96,7 @@ def run_tokenizer(graph: Graph):
     if task not in TASKS:
         raise SpecError(
             graph.file, f"models.{graph.actor}.source",
-            f"data.source {source!r} needs a pretrained actor (path, gguf or package) for its "
+            f"data.source {source!r} needs a pretrained actor (path, gguf, package or run) for its "
             "tokenizer; a config-built model has only the character tasks' tokenizers",
         )
     return TASKS[task].tokenizer()
