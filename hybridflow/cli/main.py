@@ -9,7 +9,7 @@
     hybridflow plan graphs/grpo.yaml [--pool FILE] [--model-size 7b]
     hybridflow schema [graph|pool] [--out-dir DIR]
     hybridflow docs [--check]
-    hybridflow plot RUN_DIR [RUN_DIR ...] [--out FILE.png]
+    hybridflow plot RUN_DIR [RUN_DIR ...] [--out FILE.png] [--x iteration|wall]
     hybridflow eval graphs/grpo_smollm2.yaml [--actor RUN_DIR] [--k 8] [--json FILE]
 
 A user mistake (bad file, field, override or data row) prints one line naming the file and the
@@ -79,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="plot metrics of one run, or overlay several, into a PNG")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     plot.add_argument("--out", help="PNG path (default RUN_DIR/plot.png, or compare.png for several)")
+    plot.add_argument("--x", choices=["iteration", "wall"], default="iteration",
+                      help="x axis: the iteration, or wall-clock seconds since the run's first iteration began")
 
     serve = sub.add_parser("serve-reward", help="serve a rule reward over HTTP (JSON) for remote scoring")
     serve.add_argument("rule", help="'module:function' scoring (prompt, response, ground_truth)")
@@ -238,7 +240,7 @@ def _cmd_docs(args: argparse.Namespace) -> int:
 def _cmd_plot(args: argparse.Namespace) -> int:
     from hybridflow.cli.plot import default_out, plot_runs
 
-    print(plot_runs(args.run_dirs, args.out or default_out(args.run_dirs)))
+    print(plot_runs(args.run_dirs, args.out or default_out(args.run_dirs), x=args.x))
     return 0
 
 

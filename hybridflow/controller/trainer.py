@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
 import time
 from collections import deque
@@ -127,6 +128,7 @@ class Trainer:
         self.nan_guard = NanGuard(options.nan_tolerance)
         self.recovery = Recovery(self.dirs.events, options.max_restarts)
         self.checkpointer = Checkpointer(self.dirs, graph, self.extra_state)
+        self.started = time.perf_counter()  # fit() restarts it once set up
 
     @property
     def run_dir(self) -> Path:
@@ -144,6 +146,7 @@ class Trainer:
         started = time.perf_counter()
         try:
             self._setup()  # inside: a group that fails to start must not leak its pool
+            self.started = time.perf_counter()
             total = self.spec.trainer.iterations
             last = min(total, stop_after or total)
             resume_from = self.checkpointer.latest_intact() if self.resume else None
@@ -217,6 +220,10 @@ class Trainer:
         interval = self.spec.trainer.val_interval
         if interval and (iteration % interval == 0 or iteration == self.spec.trainer.iterations):
             metrics.update(self.validate())
+        # What a comparison of two algorithms' cost plots against (`hybridflow plot --x wall`):
+        # from the end of setup, whose time (Ray, workers) follows the machine's load more
+        # than the algorithm; validation included.
+        metrics["time/wall_s"] = time.perf_counter() - self.started
         self.nan_guard.observe(metrics)
         self.logger.log(metrics, {name: out.metas for name, out in result.outputs.items()})
         self.history.append(metrics)
@@ -387,6 +394,11 @@ class Trainer:
     def save_actor(self, path: Path) -> None:
         group = self.groups[self.graph.placement[self.graph.actor]]
         ray.get(group.call("save_hf", model=self.graph.actor, path=str(path.resolve())))
+        # With its tokenizer the saved actor is a whole model: another graph's source
+        # (`source: {run: ...}`), `hybridflow eval --actor`, or transformers itself.
+        for target in (path, path / "merged"):
+            if target.is_dir():
+                shutil.copytree(self.dirs.tokenizer, target, dirs_exist_ok=True)
 
     def shutdown(self) -> None:
         if hasattr(self, "logger"):

@@ -29,7 +29,7 @@ from hybridflow.graph.library import ALGORITHMS
 from hybridflow.graph.ops import OPS
 from hybridflow.placement.profiles import HardwareProfile, ModelArch, arch_from_hf_config, get_profile, model_size
 from hybridflow.spec.engines import caps_of
-from hybridflow.spec.graph import TINY_QWEN2
+from hybridflow.spec.graph import PRETRAINED_KINDS, TINY_QWEN2
 from hybridflow.spec.layout import GenerationLayout
 from hybridflow.placement.simulator import (
     ModelInfo,
@@ -314,7 +314,7 @@ def _arch_of(name: str, graph, size: str | None) -> ModelArch | None:
     if size is not None:
         return model_size(size)
     if source.is_pretrained:
-        where = Path(source.path or source.gguf or source.package).name
+        where = Path(source.path or source.gguf or source.package or source.run).name
         return arch_from_hf_config(_pretrained_config(name, graph), name=where)
     return arch_from_hf_config({"vocab_size": TINY_VOCAB, **TINY_QWEN2, **(source.config or {})})
 
@@ -322,15 +322,17 @@ def _arch_of(name: str, graph, size: str | None) -> ModelArch | None:
 def _pretrained_config(name: str, graph) -> dict:
     """The HF config of a ``path``, ``gguf`` or ``package`` source, read without loading (nor
     converting) the weights; a missing or unreadable one is a SpecError naming the field."""
-    from hybridflow.engines.models import ModelSourceError, gguf_file
+    from hybridflow.engines.models import ModelSourceError, gguf_file, run_model_dir
 
     source = graph.spec.models[name].source
-    kind = next(k for k in ("path", "gguf", "package") if getattr(source, k) is not None)
+    kind = next(k for k in PRETRAINED_KINDS if getattr(source, k) is not None)
     field = f"models.{name}.source.{kind}"
     try:
         if source.path is not None:
             config = resolve_relative(source.path, graph.file) / "config.json"
             return json.loads(config.read_text())
+        if source.run is not None:
+            return json.loads((run_model_dir(source.run, source.model) / "config.json").read_text())
         file = gguf_file(source)
         from transformers import AutoConfig
 
