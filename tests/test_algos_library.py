@@ -157,7 +157,8 @@ def test_reinforce_plus_plus_baseline_groups():
 
 def test_every_estimator_is_zero_outside_the_mask():
     fields = dict(scores=SCORES, response_mask=MASK, uid=UID, token_rewards=expand(SCORES, MASK) * 0.5,
-                  values=torch.rand(6, 4, dtype=F64), baseline_scores=SCORES.flip(0))
+                  values=torch.rand(6, 4, dtype=F64), baseline_scores=SCORES.flip(0),
+                  teacher_log_probs=-torch.rand(6, 4, dtype=F64), student_log_probs=-torch.rand(6, 4, dtype=F64))
     for name in ADV_ESTIMATORS.names():
         advantages, returns = ADV_ESTIMATORS.get(name)(**fields, whiten=True)
         assert advantages.shape == returns.shape == (6, 4), name
@@ -364,7 +365,7 @@ def test_apply_safety_steps_lambda_then_combines():
 @pytest.mark.parametrize(
     "override, field, expected",
     [
-        ("nodes.advantage.options.estimator=gea", "nodes[5].options.estimator", "unknown advantage estimator 'gea'; known: gae"),
+        ("nodes.advantage.options.estimator=gea", "nodes[5].options.estimator", "unknown advantage estimator 'gea'; known: distill, gae"),
         ("nodes.update_actor.options.loss_agg=mean", "nodes[7].options.loss_agg", "unknown loss aggregation 'mean'"),
         ("nodes.update_actor.options.clip_ratio_c=0.5", "nodes[7].options.clip_ratio_c", "greater than 1"),
     ],
