@@ -89,13 +89,17 @@ def _actor_weights(actor: str, model: str) -> tuple[Path | None, Path | None]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from hybridflow.graph.dag import load_graph
     from hybridflow.spec.loading import SpecError
 
     samples = args.samples or args.k
     if args.k < 1 or samples < args.k:
         raise SpecError(args.graph, "--k", f"expected 1 <= k <= samples, got k={args.k}, samples={samples}")
-    results = evaluate(args.graph, args.overrides, args.actor, args.k, samples, args.limit,
-                       args.threshold, args.engine)
+    if load_graph(args.graph, args.overrides).reads_pairs:
+        results = evaluate_pairs(args.graph, args.overrides, args.actor, args.limit)
+    else:
+        results = evaluate(args.graph, args.overrides, args.actor, args.k, samples, args.limit,
+                           args.threshold, args.engine)
     print(format_table(results))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -224,6 +228,71 @@ def evaluate(
         "summary": summary,
         "prompts": per_prompt,
     }
+
+
+def evaluate_pairs(graph_file: str, overrides: list[str], model: str | None, limit: int | None) -> dict:
+    """A graph that trains a scalar model on pairs: ``pairwise_accuracy`` (chosen scored above
+    rejected) of its model on every held-out pair, with the pairs' mean scores. ``model``: a
+    saved scalar model directory or the run directory holding one (``RUN_DIR/<model>``);
+    default the graph's source."""
+    import torch
+
+    from hybridflow.algos.preference import pairwise_metrics
+    from hybridflow.controller.preflight import check_model_paths, run_tokenizer
+    from hybridflow.data.datasets import DataError
+    from hybridflow.data.preferences import collate_pairs, load_pair_data, pair_forward_batch, split_pair_scores
+    from hybridflow.engines.models import build_value_model
+    from hybridflow.graph.dag import load_graph
+    from hybridflow.spec.loading import SpecError
+
+    graph = load_graph(graph_file, overrides)
+    spec = graph.spec
+    node = next(n for n in graph.nodes if "pairs" in n.inputs)
+    name, model_spec = node.model, spec.models[node.model]
+    check_model_paths(graph)
+    tokenizer = run_tokenizer(graph)
+    kind = "cost" if model_spec.role == "cost" else "reward"
+    data = spec.data.model_copy(update={"num_val": 10**9})  # every held-out pair
+    try:
+        _, rows = load_pair_data(data, graph.file, kind)
+        rows = rows[:limit] if limit else rows
+        if not rows:
+            raise SpecError(graph.file, "data.val_files", "no held-out pairs to evaluate")
+        pairs = collate_pairs(rows, tokenizer, spec.data.max_prompt_length, spec.data.max_response_length,
+                              system_prompt=spec.data.system_prompt)
+    except DataError as exc:
+        raise SpecError(graph.file, exc.field, str(exc)) from None
+    source = model_spec.source
+    if model is not None:
+        directory = Path(model) / name if (Path(model) / name / "config.json").is_file() else Path(model)
+        if not (directory / "config.json").is_file():
+            raise SpecError(model, "--actor", f"expected a saved scalar model (HF directory with config.json) or a "
+                            f"run directory holding {name}/")
+        source = source.model_copy(update={"config": None, "path": str(directory.resolve()), "gguf": None,
+                                           "package": None})
+    torch.set_num_threads(os.cpu_count() or 1)
+    module = build_value_model(source, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id,
+                               seed=spec.trainer.seed).eval()
+    with torch.no_grad():
+        scores = torch.cat([last_token_scores(module, pair_forward_batch(chunk)) for chunk in pairs.split(64)])
+    chosen, rejected = split_pair_scores(scores)
+    metrics = pairwise_metrics(chosen, rejected)
+    summary = {"pairs": len(rows), "pairwise_accuracy": metrics["rm/accuracy"],
+               "margin_mean": metrics["rm/margin_mean"], "chosen_mean": metrics["rm/chosen_mean"],
+               "rejected_mean": metrics["rm/rejected_mean"]}
+    return {"graph": str(graph_file), "overrides": list(overrides), "model": str(model) if model else "base",
+            "summary": summary}
+
+
+def last_token_scores(module, samples) -> "torch.Tensor":
+    """(N,) a scalar model's output at each sample's last response token, as the score op reads
+    it (``samples``: rollout-shaped, left-padded prompts, right-padded responses)."""
+    from hybridflow.data import keys as K
+
+    out = module(input_ids=samples[K.INPUT_IDS], attention_mask=samples[K.ATTENTION_MASK],
+                 position_ids=samples[K.POSITION_IDS]).logits[..., 0].float()
+    last = samples[K.PROMPT_IDS].shape[1] + samples[K.RESPONSE_MASK].sum(-1) - 1
+    return out.gather(1, last[:, None])[:, 0]
 
 
 def _score(scorer, batch, tokenizer, options, row_fields):

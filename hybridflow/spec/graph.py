@@ -609,6 +609,38 @@ class UpdateOptions(Spec):
         return _registered("LOSS_AGGS", name)
 
 
+class PairUpdateOptions(Spec):
+    """A scalar model (reward or cost) trained on preference pairs: the graph's data are
+    ``data.train_files`` / ``data.val_files`` of pair rows (``hybridflow.data.preferences``),
+    ``data.prompts_per_iteration`` pairs per iteration."""
+
+    loss: str = Field(
+        "bradley_terry",
+        description="Registered pairwise loss: bradley_terry (-log sigmoid(chosen - rejected - "
+        "margin)) or safe_rlhf_cost (bradley_terry on costs plus Safe-RLHF's sign term from the "
+        "rows' safety labels; needs PKU-SafeRLHF rows).",
+    )
+    margin: float = Field(
+        0.0, description="Margin the chosen score must exceed the rejected one by, added to a "
+        "row's own margin column."
+    )
+    center_coef: float = Field(
+        0.0, ge=0, description="Weight of the reward-centring term (chosen + rejected)^2 "
+        "(TRL's center_rewards_coefficient); 0 = off."
+    )
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per iteration's pairs.")
+    epochs: int = Field(1, ge=1, description="Passes over the iteration's pairs.")
+    train: bool = Field(
+        True, description="False: score the pairs and report rm/accuracy without a step "
+        "(validation and `hybridflow eval` run the node so)."
+    )
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        return _registered("PAIR_LOSSES", v)
+
+
 class SafetyOptions(Spec):
     """The Lagrange multiplier of Safe-RLHF; the actor update then needs ``costs`` and
     ``cost_advantages`` among its inputs and uses ``(A - lambda * A_cost) / (1 + lambda)``."""
