@@ -434,6 +434,18 @@ class ScoreOptions(Spec):
     )
     overlong_penalty: float = Field(1.0, ge=0, description="Largest overlong punishment.")
 
+    normalize: bool = Field(
+        False,
+        description="A learned reward or cost model's scores: (score - running mean) / running "
+        "std, over every score the node has given (OpenRLHF's normalize_reward); kept in "
+        "checkpoints. The raw mean is logged as reward/raw_mean (cost/...).",
+    )
+    log_prefix: str | None = Field(
+        None,
+        description="A score node with no outputs only logs (a rule scored beside a learned "
+        "reward, which nothing trains on): its mean as <log_prefix>/<role>_mean, e.g. "
+        "rule/reward_mean; default prefix: the node's name.",
+    )
     on_error: Literal["fail", "default"] = Field(
         "fail", description="'fail' stops the run; 'default' gives the sample default_reward "
         "and counts it (reward/num_errors)."
