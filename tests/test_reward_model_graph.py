@@ -146,3 +146,57 @@ def test_reward_model_graph_learns_saves_and_evals(pair_files, ray_session, tmp_
     assert summary["pairs"] == 40
     # the same model, pairs and score reading as the run's last validation
     assert summary["pairwise_accuracy"] == pytest.approx(vals[-1])
+
+
+def test_eval_pairs_out_writes_ranked_pairs_a_pair_graph_reads(tmp_path, monkeypatch, capsys):
+    """Pairs from the base actor's own samples, ranked by grpo.yaml's rule: each chosen scored
+    above its rejected, and the file loads as the train files of graphs/reward_model.yaml."""
+    from hybridflow.data.preferences import read_pairs
+    from hybridflow.data.tasks import copy_reward
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "pairs.jsonl"
+    assert main(["eval", "graphs/grpo.yaml", "--limit", "6", "--k", "8", "--pairs-out", str(out)]) == 0
+    assert "pairs_written" in capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows, "an untrained actor's 8 samples differ in score for some prompt"
+    for row in rows:
+        assert set(row) == {"prompt", "chosen", "rejected"}
+        truth = row["prompt"].rstrip("=")
+        assert copy_reward(row["prompt"], row["chosen"], truth) > copy_reward(row["prompt"], row["rejected"], truth)
+    assert len(read_pairs(str(out))) == len(rows)
+
+
+def test_score_node_normalizes_a_learned_score_and_logs_only_without_outputs(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    from hybridflow.algos.running_moments import RunningMoments
+    from hybridflow.data import keys as K
+    from hybridflow.data.tasks import get_task
+    from hybridflow.spec.graph import ScoreOptions
+    from hybridflow.workers.ops.score import score
+    from tensordict import TensorDict
+
+    tok = get_task("copy").tokenizer()
+    raw = torch.tensor([1.0, 3.0, 5.0, 7.0])
+    batch = TensorDict({K.RESPONSES: torch.tensor([[3, tok.eos_token_id]] * 4),
+                        K.RESPONSE_MASK: torch.ones(4, 2, dtype=torch.long)}, batch_size=[4])
+    engine = NS(forward=lambda b: {"last_values": raw.clone()}, dp_group=None)
+    spec = NS(models={"rm": NS(role="reward", source=NS(remote=None))}, data=NS(max_response_length=8))
+    moments = RunningMoments()
+    ctx = NS(spec=spec, rules={}, train_engines={"rm": engine}, tokenizer=tok, dp_group=lambda m: None,
+             extra_state={"score_moments/reward": moments})
+
+    def node(name, outputs, **opts):
+        return NS(name=name, model="rm", outputs=outputs, spec=NS(options=ScoreOptions(**opts)))
+
+    import hybridflow.workers.ops.score as score_module
+
+    monkeypatch.setattr(score_module, "logged_samples", lambda *a, **k: [])  # sample rows: another test's
+    out, meta = score(ctx, batch, node("reward", ("scores",), normalize=True))
+    expected = (raw - raw.mean()) / raw.std()
+    assert torch.allclose(out["scores"], expected)
+    assert meta["metrics"]["reward/raw_mean"] == pytest.approx(4.0)
+    out, meta = score(ctx, batch, node("rule", (), log_prefix="rule"))
+    assert list(out.keys()) == []
+    assert meta["metrics"]["rule/reward_mean"] == pytest.approx(4.0)

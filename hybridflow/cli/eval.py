@@ -25,6 +25,13 @@ truncated response whose answer is right counts as right; ``truncated_frac`` rep
 - ``mean_score`` (greedy), ``response_length`` and ``truncated_frac`` (greedy).
 
 Printed as a table; ``--json FILE`` writes the same numbers (and per-prompt results) as JSON.
+``--pairs-out FILE`` also writes preference pairs (JSONL, ``{prompt, chosen, rejected}``, the
+rows ``graphs/reward_model.yaml`` trains on) from each prompt's sampled responses ranked by
+the graph's scorer: repeated responses once, best against worst inward, ties dropped.
+
+On a graph that trains a scalar model on pairs (``graphs/reward_model.yaml``), eval scores the
+held-out pairs instead: ``pairwise_accuracy`` of the graph's model, or of ``--actor`` (a saved
+scalar model, or the run directory holding it).
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ def add_parser(sub) -> None:
     ev.add_argument("--threshold", type=float, default=THRESHOLD, help="score that counts as correct")
     ev.add_argument("--engine", choices=engine_names("rollout"), help="rollout engine (default: the actor's)")
     ev.add_argument("--json", dest="json_out", help="also write the results as JSON here")
+    ev.add_argument("--pairs-out", help="write preference pairs {prompt, chosen, rejected} (JSONL) from each "
+                    "prompt's sampled responses ranked by the graph's scorer, ties dropped")
     ev.set_defaults(func=cmd_eval)
 
 
@@ -99,7 +108,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         results = evaluate_pairs(args.graph, args.overrides, args.actor, args.limit)
     else:
         results = evaluate(args.graph, args.overrides, args.actor, args.k, samples, args.limit,
-                           args.threshold, args.engine)
+                           args.threshold, args.engine, args.pairs_out)
     print(format_table(results))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -126,6 +135,7 @@ def evaluate(
     limit: int | None,
     threshold: float = THRESHOLD,
     engine: str | None = None,
+    pairs_out: str | None = None,
 ) -> dict:
     """The eval's numbers (module docstring) as a dict: ``summary`` and per-prompt ``prompts``."""
     import torch
@@ -195,7 +205,7 @@ def evaluate(
     options = scorer_options(score_node.spec.options)
     try:
         greedy_scores, greedy_texts = _score(scorer, greedy, tokenizer, options, row_fields)
-        sample_scores, _ = _score(scorer, sampled, tokenizer, options, row_fields)
+        sample_scores, sample_texts = _score(scorer, sampled, tokenizer, options, row_fields)
     finally:
         scorer.close()
 
@@ -215,6 +225,8 @@ def evaluate(
         "response_length": float(lengths.mean()),
         "truncated_frac": float(greedy[K.TRUNCATED].float().mean()),
     }
+    if pairs_out is not None:
+        summary["pairs_written"] = _write_pairs(pairs_out, rows, sample_texts, sample_scores.tolist(), samples)
     per_prompt = [
         {"origin": row["origin"], "ground_truth": row["ground_truth"], "greedy": text,
          "greedy_score": float(score), "samples_correct": c}
@@ -293,6 +305,23 @@ def last_token_scores(module, samples) -> "torch.Tensor":
                  position_ids=samples[K.POSITION_IDS]).logits[..., 0].float()
     last = samples[K.PROMPT_IDS].shape[1] + samples[K.RESPONSE_MASK].sum(-1) - 1
     return out.gather(1, last[:, None])[:, 0]
+
+
+def _write_pairs(path: str, rows: list[dict], texts: list[str], scores: list[float], samples: int) -> int:
+    """``pairs_from_samples`` of each prompt's ``samples`` responses, as JSONL at ``path``;
+    returns the number of pairs."""
+    from hybridflow.data.preference_pairs import pairs_from_samples
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with out.open("w", encoding="utf-8") as f:
+        for i, row in enumerate(rows):
+            span = slice(i * samples, (i + 1) * samples)
+            for pair in pairs_from_samples(row["prompt"], texts[span], scores[span]):
+                f.write(json.dumps({key: pair[key] for key in ("prompt", "chosen", "rejected")}) + "\n")
+                count += 1
+    return count
 
 
 def _score(scorer, batch, tokenizer, options, row_fields):
