@@ -200,3 +200,9 @@ def test_score_node_normalizes_a_learned_score_and_logs_only_without_outputs(mon
     out, meta = score(ctx, batch, node("rule", (), log_prefix="rule"))
     assert list(out.keys()) == []
     assert meta["metrics"]["rule/reward_mean"] == pytest.approx(4.0)
+
+
+def test_an_odd_micro_batch_of_a_pair_model_is_refused(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    assert main(["validate", "graphs/reward_model.yaml", "models.reward.train.micro_batch_size=3"]) == 2
+    assert "models.reward.train.micro_batch_size: node 'train_reward' trains on pairs" in capsys.readouterr().err

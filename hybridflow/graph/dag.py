@@ -545,6 +545,12 @@ def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node
     if readers["prompts"] and readers["pairs"]:
         raise SpecError(file, "nodes", f"nodes {readers['prompts']} read prompts and {readers['pairs']} "
                         "preference pairs; a graph's data are one or the other")
+    for i, node in enumerate(nodes):
+        train = spec.models[node.model].train
+        if "pairs" in node.inputs and (train.micro_batch_size % 2 or getattr(train, "micro_batch_tokens", None)):
+            raise SpecError(file, f"models.{node.model}.train.micro_batch_size",
+                            f"node {node.name!r} trains on pairs, two rows each (chosen, rejected): a micro-batch "
+                            f"must hold whole pairs, expected an even micro_batch_size and no micro_batch_tokens")
     _route_through_filters(nodes, dag, file)
     nodes = [_fill_slots(node, file, f"nodes[{i}]") for i, node in enumerate(nodes)]
     _check_samples_per_prompt(spec, nodes, dag, file)
