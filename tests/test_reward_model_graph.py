@@ -33,8 +33,9 @@ def _pair_overrides(files: Path, cost: bool = False) -> list[str]:
     return [f"data.train_files={files / (prefix + 'train.jsonl')}", f"data.val_files={files / (prefix + 'val.jsonl')}"]
 
 
-@pytest.mark.parametrize("graph", ["graphs/reward_model.yaml", "graphs/cost_model.yaml"])
-def test_scalar_model_graphs_validate_without_an_actor(graph, monkeypatch):
+@pytest.mark.parametrize("graph", ["graphs/reward_model.yaml", "graphs/cost_model.yaml",
+                                   "graphs/grpo_learned_reward.yaml", "graphs/safe_rlhf_learned.yaml"])
+def test_learned_reward_graphs_validate(graph, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert main(["validate", graph]) == 0
 
