@@ -260,7 +260,7 @@ def test_registry_unknown_name_lists_known_names():
     with pytest.raises(KeyError) as info:
         ADV_ESTIMATORS.get("nope")
     assert str(info.value) == (
-        "unknown advantage estimator 'nope'; known: gae, grpo, reinforce_plus_plus, "
+        "unknown advantage estimator 'nope'; known: distill, gae, grpo, reinforce_plus_plus, "
         "reinforce_plus_plus_baseline, remax, rloo"
     )
     assert "token-mean" in LOSS_AGGS.names() and "ppo_clip" in POLICY_LOSSES

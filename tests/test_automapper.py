@@ -410,3 +410,41 @@ def test_plan_reads_gguf_and_package_sources_without_loading_them(tmp_path, caps
     assert main(["plan", str(graph_file)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "models.actor.source.package" in err[0] and "no-such-file.gguf" in err[0]
+
+
+# A Llama-7B-shaped actor built from a config (no weights read): hybridflow plan sizes it.
+LLAMA_7B_CONFIG = ("{hidden_size: 4096, intermediate_size: 11008, num_hidden_layers: 32, num_attention_heads: 32, "
+                   "num_key_value_heads: 32, vocab_size: 32000}")
+
+
+@pytest.mark.parametrize("engine, fits", [("fsdp2", True), ("torch", False)])
+def test_plan_prints_a_7b_actors_train_state_under_its_engine(tmp_path, capsys, engine, fits):
+    """On 8 x 80 GB a 7B actor's weights, gradients and AdamW state (16 B a parameter in
+    bf16 + fp32 Adam) are 1/8 per device under FSDP2 and fit; under DDP all of them are on
+    every device, and no placement fits."""
+    from hybridflow.cli.main import main
+    from hybridflow.placement.profiles import arch_from_hf_config
+
+    pool = tmp_path / "pool.yaml"
+    pool.write_text("pools:\n  default: {nodes: 1, devices_per_node: 8, device: gpu, profile: a100-80gb}\n")
+    args = ["plan", str(ROOT / "graphs" / "grpo.yaml"), f"models.actor.source.config={LLAMA_7B_CONFIG}",
+            f"models.ref.source.config={LLAMA_7B_CONFIG}", f"models.actor.train.engine={engine}", "--pool", str(pool)]
+    from hybridflow.placement.automapper import TINY_QWEN2
+
+    # the tiny Qwen2's other settings (tied embeddings) under the 7B shape
+    params = arch_from_hf_config({**TINY_QWEN2, **yaml.safe_load(LLAMA_7B_CONFIG)}).num_params
+    assert 6.5e9 < params < 6.8e9
+    per_device = 16 * params / (8 if fits else 1)
+    if fits:
+        assert main(args) == 0
+    else:
+        assert main(args) == 2
+    captured = capsys.readouterr()
+    out = captured.out
+    if not fits:
+        assert captured.err.count("\n") == 1 and "do not fit on pool 'default' in any placement" in captured.err
+    (line,) = [line for line in out.splitlines() if line.startswith("actor train state per device on 8 devices:")]
+    assert f"(2 B weights + 2 B grads + 12 B AdamW) x {params:.3g} params" in line
+    assert f"= {per_device / 1e9:.4g} GB; {'fits' if fits else 'does not fit'} in 72 GB usable" in line
+    assert ("/ 8 ranks (FSDP2" in line) == fits and ("whole on every rank (DDP)" in line) == (not fits)
+    assert ("plan: actor+ref+reward:8" in out) == fits

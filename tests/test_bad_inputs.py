@@ -134,3 +134,34 @@ def test_installed_finds_real_packages_only():
 
     assert _installed("torch") and _installed("torch.distributed")
     assert not _installed("no_such_package") and not _installed("no_such_package.core")
+
+
+LONG = "x" * 10_000
+LONG_VALUES = [  # each puts a 10,000-character user value where an error line quotes it
+    [f"trainer.seed={LONG}"], [f"data.source={LONG}"], [f"data.source=builtin:{LONG}"],
+    [f"data.train_files={LONG}.jsonl"], [f"models.actor.rollout.engine={LONG}"], [LONG], [f"{LONG}=1"],
+    [f"nodes.{LONG}.options.kl_coef=1"], [f"nodes.0.op={LONG}"], [f"placement.actor={LONG}"],
+    [f"models.reward.source={{rule: '{LONG}:f'}}"], [f"models.reward.source={{rule: 'os:{LONG}'}}"],
+    [f"models.actor.source={{path: {LONG}}}"], [f"models.actor.source={{gguf: {LONG}}}"],
+    [f"models.actor.source={{package: {LONG}}}"], ["tests/bad_inputs/base.yaml", LONG[:5000] + ".yaml"],
+]
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_every_echoed_value_is_cut_to_about_100_characters(command, tmp_path, monkeypatch, capsys):
+    """An override, a data source, a path or a module name of 10,000 characters is quoted cut to
+    ECHO_CHARS (data/echo.py) in a one-line error, never in full and never as a traceback."""
+    from hybridflow.data.echo import ECHO_CHARS
+
+    monkeypatch.chdir(ROOT)
+    for i, extra in enumerate(LONG_VALUES):
+        graph = [] if extra[0].endswith(".yaml") else ["tests/bad_inputs/base.yaml"]
+        run_dir = ["--run-dir", str(tmp_path / f"run{i}")] if command == "run" else []
+        code = main([command, *graph, *extra, *run_dir])
+        err = capsys.readouterr().err
+        if command == "validate" and code == 0:
+            continue  # validate reads no data file and imports no rule: nothing to quote
+        assert code == 2, (extra[0][:40], err[:300])
+        assert err.count("\n") == 1 and err.startswith("error: "), err[:300]
+        assert "x" * (ECHO_CHARS + 1) not in err, err[:300]
+        assert len(err) < 400, err[:400]

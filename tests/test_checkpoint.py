@@ -279,3 +279,39 @@ def test_a_full_disk_while_saving_is_one_line_and_keeps_the_previous_checkpoint(
     assert err[-1].startswith(f"stopped: {calls[1]}: No space left on device (ENOSPC);"), err[-3:]
     assert latest_intact_checkpoint(run_dir).name == "iter_00000001"
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
+def test_the_stop_message_says_died_again_only_after_a_recovery(tmp_path):
+    from hybridflow.controller.recovery import Recovery, RunStopped
+
+    with pytest.raises(RunStopped) as first:
+        Recovery(tmp_path / "events.jsonl", max_restarts=0).begin(RuntimeError("actor gone"), None)
+    assert str(first.value) == "a worker died (actor gone); trainer.max_restarts=0, so the run does not recover"
+    recovery = Recovery(tmp_path / "events.jsonl", max_restarts=1)
+    recovery.begin(RuntimeError("actor gone"), None)
+    with pytest.raises(RunStopped, match=r"^a worker died again \(actor gone\); trainer.max_restarts=1 recoveries used up$"):
+        recovery.begin(RuntimeError("actor gone"), None)
+
+
+def test_truncate_metrics_keeps_whole_rows_and_never_grows_the_file(tmp_path, caplog):
+    """The checkpoint's offset past a file cut by hand, a half-written last row and a broken
+    row in the middle: only whole rows stay, and no NUL byte is ever written."""
+    from hybridflow.controller.checkpoint import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"iteration": i, "reward/mean": i / 10} for i in range(1, 7)]
+    whole = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+    offset = len(whole)
+    path.write_bytes(whole[: offset - 12])  # the last row cut in half, the offset beyond the end
+    with caplog.at_level(logging.WARNING):
+        assert truncate_metrics(path, offset) == rows[:5]
+    assert path.read_bytes() == whole[: whole.rfind(b"{")]
+    assert "dropped 1 cut or unreadable line" in caplog.text
+
+    path.write_bytes(whole + b'{"iteration": 7, "rew')  # a row cut after the checkpoint
+    assert truncate_metrics(path, offset) == rows and path.read_bytes() == whole
+
+    lines = whole.splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:2]) + b'{"iteration": 3\n' + b"".join(lines[3:]))
+    assert truncate_metrics(path, path.stat().st_size) == rows[:2] + rows[3:]
+    assert b"\0" not in path.read_bytes() and [json.loads(x) for x in path.read_text().splitlines()] == rows[:2] + rows[3:]

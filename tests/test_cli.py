@@ -56,7 +56,7 @@ def test_schema_validates_shipped_pool_files(schemas, path):
         lambda g: g["trainer"].update(iterationz=3),  # unknown field
         lambda g: g["nodes"][0].update(op="fly"),  # unknown op
         lambda g: g["data"].update(prompts_per_iteration=0),  # below the bound
-        lambda g: g["models"]["actor"].update(role="teacher"),  # not a role
+        lambda g: g["models"]["actor"].update(role="judge"),  # not a role
         lambda g: g.pop("nodes"),  # required field
     ],
     ids=["unknown-field", "unknown-op", "bound", "enum", "required"],

@@ -130,6 +130,27 @@ def test_bad_parquet_row_names_the_row(tmp_path):
         read_rows(str(tmp_path / "rows.csv"))
 
 
+def test_unreadable_parquet_says_what_is_wrong(tmp_path):
+    """No rows, a column given twice and a directory each get their own line, not the
+    DatasetGenerationError (or "no such data file") they gave before."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
+    twice = tmp_path / "twice.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["ab="]), pa.array(["ab"]), pa.array(["x"])],
+                                        names=["prompt", "ground_truth", "prompt"]), twice)
+    folder = tmp_path / "folder.parquet"
+    folder.mkdir()
+    for path, expected in [(empty, "expected at least one row, found none"),
+                           (twice, "duplicated column 'prompt'; expected each column once"),
+                           (folder, "is a directory, expected a .parquet, .jsonl or .json file (data.train_files)")]:
+        with pytest.raises(DataError) as excinfo:
+            read_rows(str(path), "data.train_files")
+        assert str(excinfo.value) == f"{path}: {expected}"
+
+
 def test_chat_rendering_equals_apply_chat_template():
     tok = chat_tokenizer()
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -226,3 +247,21 @@ def test_arith_words_answers_follow_the_text():
     for row in make_problems(200, seed=0):
         info = row["extra_info"]
         assert str(info["answer"]) == row["reward_model"]["ground_truth"]
+
+
+def test_a_row_without_ground_truth_passes_only_where_no_scorer_needs_one():
+    """The refusal itself is a case of tests/bad_inputs/cases.yaml; `ground_truth: optional`
+    on the score node, or a learned reward model, lets the same rows through."""
+    from pathlib import Path
+
+    from hybridflow.controller.preflight import check_score_inputs
+    from hybridflow.graph.dag import load_graph
+
+    root = Path(__file__).resolve().parent.parent
+    rows = read_rows(str(root / "tests/bad_inputs/rows_no_ground_truth.jsonl"))
+    assert [row["ground_truth"] for row in rows] == ["ab", ""]
+    base = str(root / "tests/bad_inputs/base.yaml")
+    with pytest.raises(DataError, match=r"rows_no_ground_truth.jsonl:2: reward_model.ground_truth: missing"):
+        check_score_inputs(load_graph(base), rows)
+    check_score_inputs(load_graph(base, ["nodes.reward.options.ground_truth=optional"]), rows)
+    check_score_inputs(load_graph(base, ["models.reward.source={config: {hidden_size: 32}}"]), rows)

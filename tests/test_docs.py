@@ -51,6 +51,9 @@ EXEMPT = {
     r"^tensorboard\b": "starts a web server; the event files it reads are checked in tests/test_loggers.py",
     r"grpo_smollm2\.yaml|runs/smollm2\b": "tests/test_smollm2.py runs the SmolLM2 run, both evals and the plot, shrunk",
     r"grpo_smollm2_lora\.yaml|runs/lora\b": "tests/test_lora.py runs the LoRA graph and an eval of its adapters, shrunk",
+    r"distill_smollm2\.yaml|runs/smollm2_distill\b": (
+        "its teacher is a run of grpo_smollm2.yaml; tests/test_distill.py runs the graph shrunk, from a teacher run"
+    ),
     # Runs another test already makes (`test_exempt_commands_are_run_elsewhere` checks it still does).
     r"^hybridflow run graphs/(ppo|rloo|safe_rlhf)\.yaml --run-dir runs/\w+$": (
         "tests/test_algorithms_learn.py runs each graph's full default run"
@@ -100,6 +103,7 @@ COVERED_BY = {
     "tests/test_smollm2.py": ['main(["eval", GRAPH', 'main(["plot"'],
     "tests/test_lora.py": ['main(["run", "graphs/grpo_smollm2_lora.yaml"', 'main(["eval", "graphs/grpo_smollm2_lora.yaml"'],
     "tests/test_graph.py": ["def test_python_builder_equals_yaml"],
+    "tests/test_distill.py": ['"graphs/distill_smollm2.yaml"', "def test_distill_smollm2_runs_two_iterations"],
     "tests/test_envs.py": ['"grpo_tool.yaml"', "def test_grpo_tool_graph_runs_and_logs_tool_metrics"],
     "examples/custom_reward.py": ['REWARD = "custom_reward:exact_or_partial"', '"ppo"', 'os.environ["PYTHONPATH"]'],
 }

@@ -81,7 +81,7 @@ def test_graph_sections_are_unions_of_the_registered_configs():
     spec = load_graph(GRPO, ["models.actor.train.engine=megatron", "models.actor.rollout.engine=vllm",
                              "models.actor.rollout.lora_sync=merged"]).spec
     assert type(spec.models["actor"].train) is MegatronTrainSpec and type(spec.models["actor"].rollout) is VLLMRolloutSpec
-    with pytest.raises(SpecError, match=r"^.*grpo\.yaml: models\.actor\.train\.share_prompts: share_prompts is for train\.engine 'torch' \(engine is 'megatron'\)$"):
+    with pytest.raises(SpecError, match=r"^.*grpo\.yaml: models\.actor\.train\.share_prompts: share_prompts is for train\.engine 'torch' or 'fsdp2' \(engine is 'megatron'\)$"):
         load_graph(GRPO, ["models.actor.train.engine=megatron", "models.actor.train.share_prompts=true"])
     with pytest.raises(SpecError, match=r"grpo\.yaml: models\.actor\.rollout\.engine: unknown rollout engine 'jax'; known: hf, vllm"):
         load_graph(GRPO, ["models.actor.rollout.engine=jax"])
@@ -169,33 +169,23 @@ def test_device_check_dry_run_lists_and_skips():
     lines = out.stdout.splitlines()
     assert any(line.startswith("would run: ") for line in lines), out.stdout
     assert any(line.startswith("skip: ") and "vLLM" in line for line in lines), out.stdout
+    # the FSDP2 engine's one-device step against the torch engine's (no Ray, no vLLM)
+    assert any(line.startswith("would run: fsdp2-cuda ") and "tests/gpu/test_fsdp2_cuda.py" in line
+               for line in lines), out.stdout
 
 
 @pytest.mark.slow
 def test_plugin_rollout_engine_runs_a_graph(ray_session, tmp_path):
-    """A graph names an engine a test module registers. The controller imports the module
-    here; the workers import it when they unpickle the graph, whose rollout config is the
-    module's class (found from the repository root, which Ray puts on the workers' path as the
-    driver's working directory)."""
-    import importlib
-
+    """A graph file names an engine its ``plugins:`` module registers (tests/plugins/
+    counting_engine.py). The loader imports the module in the controller; the workers import it
+    from the same folder before they read the graph."""
     import ray
 
     from hybridflow.controller.trainer import Trainer
 
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    engine_plugin = importlib.import_module("tests.engine_plugin")  # the workers' name for it
-
-    text = GRPO.read_text()
-    assert "rollout: {engine: hf," in text
-    graph_file = tmp_path / "grpo_counting.yaml"  # the default graph, its rollout the plugin's
-    graph_file.write_text(text.replace("rollout: {engine: hf,", f"rollout: {{engine: {engine_plugin.NAME}, label: mine,")
-                          .replace("resource_pools/", f"{ROOT}/resource_pools/"))
-    overrides = ["trainer.iterations=2", "trainer.val_interval=0", "data.num_val=0", "trainer.progress=false",
-                 "trainer.save_final=false", "data.prompts_per_iteration=4", "models.actor.rollout.n=4"]
-    graph = load_graph(graph_file, overrides)
+    graph = load_graph(ROOT / "tests" / "plugins" / "grpo_counting.yaml", ["data.num_val=0"])
     assert graph.spec.models["actor"].rollout.label == "mine"
+    assert type(graph.spec.models["actor"].rollout).__module__ == "counting_engine"
     seen = []
     trainer = Trainer(graph, run_dir=str(tmp_path / "run"))
 
@@ -211,3 +201,19 @@ def test_plugin_rollout_engine_runs_a_graph(ray_session, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["colocation/rollout_offloads"] for r in rows] == [r["colocation/rollout_offloads"] for r in rows[:1]] * 2
     assert rows[0]["colocation/rollout_offloads"] >= 1 and rows[1]["colocation/rollout_reloads"] >= 1
+
+
+def test_fsdp2_section_takes_the_torch_update_options_and_refuses_lora_and_compile():
+    from hybridflow.spec.engines import FSDP2TrainSpec, caps_of
+
+    spec = load_graph(GRPO, ["models.actor.train.engine=fsdp2", "models.actor.train.share_prompts=true",
+                             "models.actor.train.compute_dtype=bfloat16", "models.actor.train.sync_bucket_mb=8"]).spec
+    train = spec.models["actor"].train
+    assert type(train) is FSDP2TrainSpec and (train.share_prompts, train.sync_bucket_mb) == (True, 8)
+    assert caps_of(train).sharded_data_parallel and not caps_of(train).model_parallel
+    assert train.adapters is None and not train.compiles
+    for option in ("lora={rank: 4}", "compile=true"):
+        name = option.split("=")[0]
+        with pytest.raises(SpecError, match=rf"^.*grpo\.yaml: models\.actor\.train\.{name}: {name} is for "
+                                            rf"train\.engine 'torch' \(engine is 'fsdp2'\)$"):
+            load_graph(GRPO, ["models.actor.train.engine=fsdp2", f"models.actor.train.{option}"])

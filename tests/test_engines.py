@@ -354,7 +354,7 @@ def test_engine_registries_hold_the_spec_names_and_import_lazily():
         assert registry.names() == tags
     assert TRAIN_ENGINES.get("torch") is TorchTrainEngine and issubclass(TorchTrainEngine, TrainEngine)
     assert ROLLOUT_ENGINES.get("hf") is HFRolloutEngine and issubclass(HFRolloutEngine, RolloutEngine)
-    with pytest.raises(KeyError, match="unknown train engine 'jax'; known: megatron, torch"):
+    with pytest.raises(KeyError, match="unknown train engine 'jax'; known: fsdp2, megatron, torch"):
         TRAIN_ENGINES.get("jax")
     # Naming the torch and hf engines loads neither megatron-core nor vLLM.
     code = (

@@ -111,3 +111,32 @@ def test_traces_after_the_checkpoint_are_dropped(tmp_path):
         run.trace(i).write_text("{}")
     run.drop_traces_after(2)
     assert sorted(p.name for p in (tmp_path / "trace").iterdir()) == ["iteration_00001.json", "iteration_00002.json"]
+
+
+@pytest.mark.parametrize("before, after", [("torch", "fsdp2"), ("fsdp2", "torch")])
+def test_a_train_engine_of_the_same_checkpoint_format_is_honoured(before, after):
+    """DDP and FSDP2 write the same layout-free checkpoints: a resume may swap them, with the
+    options only one of them has; an option both have still may not change, nor may megatron
+    (another checkpoint format) take over."""
+    honoured, refused = resume_changes(
+        resolved(overrides=(f"models.actor.train.engine={before}",)),
+        resolved(overrides=(f"models.actor.train.engine={after}",)),
+    )
+    assert refused == [], refused
+    assert f"models.actor.train.engine: {before} -> {after}" in honoured
+    assert any(c.startswith("models.actor.train.sync_bucket_mb: ") for c in honoured), honoured
+    _, refused = resume_changes(
+        resolved(overrides=(f"models.actor.train.engine={before}",)),
+        resolved(overrides=(f"models.actor.train.engine={after}", "models.actor.train.remove_padding=false")),
+    )
+    assert refused == ["models.actor.train.remove_padding: True -> False"]
+    _, refused = resume_changes(resolved(), resolved(overrides=("models.actor.train.engine=megatron",)))
+    assert "models.actor.train.engine: torch -> megatron" in refused
+
+
+def test_a_checkpoint_of_the_torch_engine_loads_under_fsdp2_and_back_not_under_megatron():
+    from hybridflow.controller.checkpoint import _same_checkpoint_format
+
+    assert _same_checkpoint_format("torch", "fsdp2") and _same_checkpoint_format("fsdp2", "torch")
+    assert not _same_checkpoint_format("torch", "megatron") and not _same_checkpoint_format("megatron", "fsdp2")
+    assert not _same_checkpoint_format("gone", "torch")

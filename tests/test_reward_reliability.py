@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -70,6 +71,74 @@ def test_a_call_stuck_in_c_is_stopped_within_timeout_plus_5s_and_its_process_rep
         pool.close()
 
 
+STUCK = "tests.stuck_rules"
+
+
+def test_a_chunk_finds_its_one_stuck_call_in_timeout_s_not_timeout_s_per_item():
+    """Eight items in one chunk, the fourth stuck in C: the watchdog ends that call after
+    timeout_s, the others are scored (the ones before it again), one pass, no item-by-item."""
+    pool = ScorePool(1, preload=[f"{STUCK}:stuck_on_x"], chunks_per_worker=1)
+    try:
+        pool.call(f"{STUCK}:stuck_on_x", [("p", "a", "")], 5.0)
+        items = [("p", "x" if i == 3 else "a", "") for i in range(8)]
+        started = time.perf_counter()
+        outcomes = pool.call(f"{STUCK}:stuck_on_x", items, 2.0)
+        assert outcomes == [("ok", 1.0)] * 3 + [("timeout", "")] + [("ok", 1.0)] * 4
+        assert time.perf_counter() - started < 2.0 + 5.0
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("options, message, bound_s", [
+    ({"first_timeout_stops": True}, r"^sample \d took longer than timeout_s=1 s$", 1.0),
+    ({"max_timeout_frac": 0.0625}, r"^2 of the batch's 16 calls took longer than timeout_s=1 s, more than max_timeout_frac=0.0625$", 2.0),
+    ({"batch_timeout_s": 2.5, "max_timeout_frac": 1.0}, r"^the batch's 16 calls took longer than batch_timeout_s=2.5 s", 2.5),
+], ids=["first_timeout", "timeout_share", "batch_bound"])
+def test_a_batch_stuck_on_every_call_stops_early(options, message, bound_s):
+    """Every call stuck in C, timeout 1 s, 16 items on one process: without a stop this takes
+    over 16 s (it took 16 x timeout_s x 2 before the watchdog); each stop comes near its bound
+    (the slack is for replacing a process on a loaded machine)."""
+    from hybridflow.rewards.pool import BatchStopped
+
+    pool = ScorePool(1, preload=[f"{STUCK}:stuck_on_x"])
+    try:
+        pool.call(f"{STUCK}:stuck_on_x", [("p", "a", "")], 5.0)  # started, rule imported
+        started = time.perf_counter()
+        with pytest.raises(BatchStopped, match=message):
+            pool.call(f"{STUCK}:stuck_on_x", [("p", "x", "")] * 16, 1.0, **options)
+        assert time.perf_counter() - started < bound_s + 6.0
+    finally:
+        pool.close()
+
+
+def test_a_stuck_scoring_process_dies_with_the_process_that_owns_its_pool(tmp_path):
+    """kill -9 of the process holding a ScorePool whose call is stuck in C: the scoring
+    process must not live on reparented to init, burning a core (PR_SET_PDEATHSIG)."""
+    import os
+    import signal
+    import uuid
+
+    from test_run_cleanup import assert_all_gone, kill_tagged
+
+    mark = tmp_path / "call.mark"
+    tag = f"HYBRIDFLOW_TEST_TAG={uuid.uuid4().hex}"
+    owner = (f"from hybridflow.rewards.pool import ScorePool\n"
+             f"ScorePool(1, preload=['{STUCK}:stuck_after_a_mark']).call('{STUCK}:stuck_after_a_mark', "
+             f"[('p', 'x', {str(mark)!r})], 600.0)")
+    env = {**os.environ, "HYBRIDFLOW_TEST_TAG": tag.partition("=")[2], "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen([sys.executable, "-c", owner], cwd=ROOT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not mark.exists():
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        assert_all_gone(tag, within_s=10)
+    finally:
+        kill_tagged(tag)
+
+
 def test_1e308_is_an_error_not_an_inf_reward():
     items = [("p", "r", ""), ("p", "r", "")]
     with pytest.raises(RewardError, match=r"sample 0: ValueError: returned 1e\+308, not finite in float32"):
@@ -128,3 +197,29 @@ def test_1e308_with_on_error_default_is_counted_and_the_run_goes_on(ray_session,
     assert rows[0]["reward/num_errors"] == 4.0  # 2 prompts x n=2, every one an error
     assert rows[0]["reward/mean"] == 0.5
     assert rows[0]["guard/skipped_updates"] == 0  # the update ran on finite advantages
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options, stopped, bound_s", [
+    ("{timeout_s: 2}", "sample \\d+ took longer than timeout_s=2 s", 2.0 + 10.0),
+    ("{timeout_s: 2, on_error: default, batch_timeout_s: 5, max_timeout_frac: 1.0}",
+     "the batch's \\d+ calls took longer than batch_timeout_s=5 s", 5.0 + 10.0),
+], ids=["on_error_fail", "batch_bound"])
+def test_a_rule_stuck_on_every_sample_stops_the_run_soon(options, stopped, bound_s, ray_session, tmp_path,
+                                                         monkeypatch, capsys):
+    """Every call stuck in C on real Ray: on_error fail stops the run within timeout_s + 10 s of
+    the first call, on_error default within its batch bound + 10 s, each with one line. (Before,
+    a rank's batch cost timeout_s per sample twice over: 4 samples, 16 s.)"""
+    monkeypatch.chdir(ROOT)
+    mark = tmp_path / "first_call.mark"
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": p, "ground_truth": str(mark)}) + "\n" for p in ("ab=", "ba=")))
+    code, err = _run([f"models.reward.source.rule={STUCK}:stuck_after_a_mark", f"data.train_files={rows}",
+                      "data.num_val=0", "trainer.val_interval=0", "models.actor.rollout.n=4",
+                      f"nodes.reward.options={options}"],
+                     tmp_path / "run", capsys)
+    ended = time.time()
+    assert code == 1, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("stopped:")]
+    assert len(lines) == 1 and re.search(f"reward {STUCK}:stuck_after_a_mark: {stopped}", lines[0]), err[-2000:]
+    assert ended - float(mark.read_text()) < bound_s

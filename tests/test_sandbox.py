@@ -51,6 +51,59 @@ def test_cannot_open_a_network_connection(sandbox):
     _then_still_works(sandbox)
 
 
+def test_cannot_connect_to_a_host_unix_socket(sandbox):
+    """A world-writable socket file on the host: Landlock does not cover connect() to it, the
+    seccomp filter refuses the AF_UNIX socket itself (abstract names included)."""
+    import socket
+    import tempfile
+    import threading
+
+    folder = tempfile.mkdtemp(dir="/tmp")  # not under pytest's private tmp: reachable by anyone
+    os.chmod(folder, 0o777)
+    path = os.path.join(folder, "host.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    os.chmod(path, 0o777)
+    server.listen(1)
+    server.settimeout(5)
+    heard = []
+
+    def serve():
+        try:
+            conn, _ = server.accept()
+            heard.append(conn.recv(4))
+            conn.sendall(b"pong")
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        code = f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})\ns.sendall(b'ping')\nprint(s.recv(4))"
+        result = sandbox.run(code)
+        abstract = sandbox.run("import socket\nsocket.socket(socket.AF_UNIX).bind('\\0hybridflow')")
+    finally:
+        server.close()
+        thread.join()
+        os.unlink(path)
+        os.rmdir(folder)
+    assert heard == [] and "pong" not in result.stdout
+    assert result.error() == "PermissionError: [Errno 1] Operation not permitted", result
+    assert abstract.error() == "PermissionError: [Errno 1] Operation not permitted", abstract
+    assert sandbox.run("import socket\na, b = socket.socketpair()\na.send(b'x')\nprint(b.recv(1))").ok
+    _then_still_works(sandbox)
+
+
+def test_all_files_together_are_capped():
+    """RLIMIT_FSIZE caps each file; 200 files of 1 MB stop at max_total_file_bytes, reported
+    like the per-file cap (the OSError the write got)."""
+    sandbox = Sandbox(LIMITS.model_copy(update={"max_total_file_bytes": 4 * 2**20}))
+    result = sandbox.run("for i in range(200):\n    open('f%d' % i, 'wb').write(b'x' * 2**20)\nprint('wrote all')")
+    assert "wrote all" not in result.stdout
+    assert not result.ok and result.error() == "OSError: [Errno 28] No space left on device", result
+    _then_still_works(sandbox)
+
+
 def test_process_count_is_capped(sandbox):
     # Counts how many children it can hold at once: at most max_processes (launcher included).
     code = (

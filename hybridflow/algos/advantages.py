@@ -11,7 +11,9 @@ Fields an estimator may take (all (B, ...) tensors, aligned with ``responses``):
 - ``scores`` (B,): sequence-level reward; ``token_rewards`` (B, R): per-token reward (the score
   on the last valid token, minus a KL penalty when the graph puts KL in the reward);
 - ``values`` (B, R): critic values; ``baseline_scores`` (B,): reward of a baseline response
-  (ReMax: the greedy one); ``uid`` (B,): prompt id; ``response_mask`` (B, R).
+  (ReMax: the greedy one); ``uid`` (B,): prompt id; ``response_mask`` (B, R);
+- ``teacher_log_probs``, ``student_log_probs`` (B, R): a teacher's and the sampling student's
+  log-probs of the sampled tokens (distillation).
 
 Every estimator returns ``(advantages, returns)``, both (B, R) and zero outside
 ``response_mask``. They are batch functions: the worker calls them on its data-parallel rank's
@@ -347,3 +349,64 @@ def safe_rlhf_advantage(
 ) -> torch.Tensor:
     """Safe-RLHF actor advantage: ``(A_reward - lambda * A_cost) / (1 + lambda)``. (B, R)."""
     return (advantages - lagrange_lambda * cost_advantages) / (1.0 + lagrange_lambda)
+
+
+@ADV_ESTIMATORS.register("distill")
+def distill_advantage(
+    response_mask: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    student_log_probs: torch.Tensor,
+    distill_coef: float = 1.0,
+    distill_gamma: float = 0.0,
+    reward_coef: float = 0.0,
+    reward_estimator: str = "grpo",
+    reduce_sum: ReduceSum = local_sum,
+    **fields,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation: each sampled token's advantage is the negative reverse KL of
+    the student to the teacher at that token, ``teacher_log_prob - student_log_prob``,
+    optionally plus a reward advantage::
+
+        A = distill_coef * D + reward_coef * A_reward
+
+    ``D`` is the per-token difference itself when ``distill_gamma`` is 0 (the default: a
+    token is credited with its own divergence only, no return over later tokens), else its
+    discounted return over the row's later valid tokens (``discounted_returns``).
+    ``A_reward`` is the registered ``reward_estimator`` (e.g. ``grpo``) on the same fields
+    (``scores``, ``uid``, ...) and its options; skipped when ``reward_coef`` is 0, so a pure
+    distillation needs no score. ``student_log_probs`` are the behaviour policy's
+    (``old_log_probs``); the update's clipped ratio pi / pi_old then weighs them as it weighs
+    any advantage.
+
+    Args:
+        response_mask: (B, R), 1 on response tokens (gaps allowed).
+        teacher_log_probs: (B, R) float, the teacher's log-probs of the sampled tokens.
+        student_log_probs: (B, R) float, the student's, at sampling.
+        distill_coef: weight of the distillation term.
+        distill_gamma: discount of the distillation return (0: per-token).
+        reward_coef: weight of the reward advantage (0: pure distillation).
+        reward_estimator: registered estimator giving the reward advantage.
+
+    Returns:
+        ``(advantages, returns)``, both (B, R) float, equal, zero outside ``response_mask``.
+    """
+    if teacher_log_probs.shape != response_mask.shape or student_log_probs.shape != response_mask.shape:
+        raise ValueError(
+            "distill_advantage expects teacher_log_probs, student_log_probs and response_mask of "
+            f"one (B, R) shape; got {tuple(teacher_log_probs.shape)}, "
+            f"{tuple(student_log_probs.shape)}, {tuple(response_mask.shape)}"
+        )
+    mask_f = response_mask.to(teacher_log_probs.dtype)
+    diff = (teacher_log_probs - student_log_probs) * mask_f
+    if distill_gamma > 0:
+        diff = discounted_returns(diff, response_mask, distill_gamma)
+    advantages = distill_coef * diff
+    if reward_coef != 0:
+        if reward_estimator == "distill":
+            raise ValueError("distill_advantage: reward_estimator must be another estimator than distill")
+        reward_adv, _ = ADV_ESTIMATORS.get(reward_estimator)(
+            response_mask=response_mask, reduce_sum=reduce_sum, **fields
+        )
+        advantages = advantages + reward_coef * reward_adv.to(advantages.dtype)
+    advantages = advantages * mask_f
+    return advantages, advantages.clone()

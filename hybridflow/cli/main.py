@@ -9,7 +9,7 @@
     hybridflow plan graphs/grpo.yaml [--pool FILE] [--model-size 7b]
     hybridflow schema [graph|pool] [--out-dir DIR]
     hybridflow docs [--check]
-    hybridflow plot RUN_DIR [RUN_DIR ...] [--out FILE.png]
+    hybridflow plot RUN_DIR [RUN_DIR ...] [--out FILE.png] [--x iteration|wall]
     hybridflow eval graphs/grpo_smollm2.yaml [--actor RUN_DIR] [--k 8] [--json FILE]
 
 A user mistake (bad file, field, override or data row) prints one line naming the file and the
@@ -79,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="plot metrics of one run, or overlay several, into a PNG")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     plot.add_argument("--out", help="PNG path (default RUN_DIR/plot.png, or compare.png for several)")
+    plot.add_argument("--x", choices=["iteration", "wall"], default="iteration",
+                      help="x axis: the iteration, or wall-clock seconds since the run's first iteration began")
 
     serve = sub.add_parser("serve-reward", help="serve a rule reward over HTTP (JSON) for remote scoring")
     serve.add_argument("rule", help="'module:function' scoring (prompt, response, ground_truth)")
@@ -132,8 +134,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     import time
 
     from hybridflow.graph.dag import build_graph
-    from hybridflow.placement.automapper import plan_dp, plan_even_batch
     from hybridflow.graph.plugins import load_graph_spec
+    from hybridflow.placement.automapper import plan_dp, plan_even_batch, train_memory_lines
 
     # The batch is checked against the plan's layouts, not the whole pool's: plan_even_batch.
     spec = load_graph_spec(args.graph, args.overrides)
@@ -150,6 +152,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         f"pool {pool_name!r}: {pool.num_devices} x {pool.device} ({mapper.sim.profile.name}), "
         f"{pool.devices_per_node} per node; {mapper.num_evaluated} plans scored in {seconds:.2f} s"
     )
+    for line in train_memory_lines(mapper, pool.num_devices):
+        print(line)
     if not plans:
         raise SpecError(graph.file, "models", f"the models do not fit on pool {pool_name!r} in any placement")
     if prompts != spec.data.prompts_per_iteration:
@@ -236,7 +240,7 @@ def _cmd_docs(args: argparse.Namespace) -> int:
 def _cmd_plot(args: argparse.Namespace) -> int:
     from hybridflow.cli.plot import default_out, plot_runs
 
-    print(plot_runs(args.run_dirs, args.out or default_out(args.run_dirs)))
+    print(plot_runs(args.run_dirs, args.out or default_out(args.run_dirs), x=args.x))
     return 0
 
 

@@ -3,6 +3,11 @@
 Panels: reward (training mean, and greedy validation where logged), KL to the reference, actor
 entropy, mean response length, and the wall time of every node. Several run directories overlay
 in one figure (one colour per run) to compare them. Reads only ``metrics.jsonl``.
+
+``--x wall`` puts wall-clock seconds since the run's first iteration began on the x axis
+instead of the iteration (``time/wall_s``; rows of runs logged before that metric existed fall
+back to the sum of ``timing/iteration`` so far, which leaves out validation): two algorithms
+compared by what they cost, not by their step counts.
 """
 
 from __future__ import annotations
@@ -49,17 +54,33 @@ def _labels(run_dirs: list[Path]) -> list[str]:
     return [f"{p.resolve().parent.name}/{p.resolve().name}" for p in run_dirs]
 
 
-def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+X_AXES = {"iteration": "iteration", "wall": "wall time (s)"}
+
+
+def _x_values(rows: list[dict], x: str) -> list[float]:
+    if x == "iteration":
+        return [int(row.get("iteration", i)) for i, row in enumerate(rows, start=1)]
+    xs, elapsed = [], 0.0
+    for row in rows:
+        elapsed += float(row.get("timing/iteration", 0.0))
+        xs.append(float(row.get("time/wall_s", elapsed)))
+    return xs
+
+
+def _series(rows: list[dict], key: str, x: str = "iteration") -> tuple[list[float], list[float]]:
     xs, ys = [], []
-    for i, row in enumerate(rows, start=1):
+    for x_value, row in zip(_x_values(rows, x), rows):
         if key in row:
-            xs.append(int(row.get("iteration", i)))
+            xs.append(x_value)
             ys.append(float(row[key]))
     return xs, ys
 
 
-def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
-    """Draw the runs' metrics into ``out`` (PNG); returns the path written."""
+def plot_runs(run_dirs: list[str | Path], out: str | Path, x: str = "iteration") -> Path:
+    """Draw the runs' metrics into ``out`` (PNG) against ``x`` (``X_AXES``); returns the path
+    written."""
+    if x not in X_AXES:
+        raise SpecError("hybridflow plot", "--x", f"expected one of {sorted(X_AXES)}, got {x!r}")
     try:
         import matplotlib
 
@@ -77,12 +98,12 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     for ax, (title, metrics) in zip(axes.flat, PANELS):
         for run_index, (rows, label) in enumerate(zip(runs, labels)):
             for key, style, suffix in metrics:
-                xs, ys = _series(rows, key)
+                xs, ys = _series(rows, key, x)
                 if xs:
                     name = " ".join(part for part in (label, suffix) if part)
                     ax.plot(xs, ys, style, color=colours[run_index % len(colours)], label=name, marker="." if len(xs) < 20 else None)
         ax.set_title(title)
-        ax.set_xlabel("iteration")
+        ax.set_xlabel(X_AXES[x])
         if ax.lines:
             ax.legend(fontsize="small")
         else:
@@ -94,18 +115,19 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     for run_index, (rows, label) in enumerate(zip(runs, labels)):
         nodes = sorted({k for row in rows for k in row if k in all_nodes})
         for key in nodes:
-            xs, ys = _series(rows, key)
+            xs, ys = _series(rows, key, x)
             timing.plot(
                 xs, ys, NODE_STYLES[run_index % len(NODE_STYLES)], color=colours[all_nodes.index(key) % len(colours)],
                 label=f"{label} {key.removeprefix('timing/')}" if len(runs) > 1 else key.removeprefix("timing/"),
             )
     timing.set_title("time per node (s)")
-    timing.set_xlabel("iteration")
+    timing.set_xlabel(X_AXES[x])
     if timing.lines:
         timing.legend(fontsize="x-small", ncol=2)
 
-    for ax in axes.flat:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if x == "iteration":
+        for ax in axes.flat:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     summary = axes.flat[len(PANELS) + 1]
     summary.axis("off")
     text = []

@@ -196,13 +196,40 @@ def load_controller_state(path: Path) -> dict:
 
 def truncate_metrics(path: Path, offset: int) -> list[dict]:
     """Cut ``metrics.jsonl`` back to ``offset`` bytes (rows logged after the checkpoint) and
-    return the rows that remain."""
+    return the rows that remain.
+
+    Only whole rows stay: a line cut short (a process killed while writing it, or a file cut
+    by hand below ``offset``) is dropped with a warning. The file is never grown: truncating a
+    shorter file to ``offset`` would pad it with NUL bytes and no later resume could read it.
+    """
     path = Path(path)
     if not path.exists():
         return []
-    with path.open("r+b") as f:
-        f.truncate(offset)
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    with path.open("rb") as f:
+        data = f.read(offset)
+    rows, kept, dropped = [], [], 0
+    for line in data.splitlines(keepends=True):
+        try:
+            row = json.loads(line) if line.endswith(b"\n") else None
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+            kept.append(line)
+        elif line.strip():
+            dropped += 1
+    whole = b"".join(kept)
+    if data.startswith(whole):
+        with path.open("r+b") as f:
+            f.truncate(len(whole))
+    else:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(whole)
+        os.replace(tmp, path)
+    if dropped:
+        log.warning("%s: dropped %d cut or unreadable line%s before resuming", path, dropped,
+                    "" if dropped == 1 else "s")
+    return rows
 
 
 class ControllerRng:
@@ -257,7 +284,9 @@ class Checkpointer:
         graph = self.graph
         trained = dict.fromkeys(n.model for n in graph.nodes if graph.op(n).trains)
         return {
-            "pools": {name: graph.pools[name].num_devices for name in dict.fromkeys(graph.placement.values())},
+            # every pool that runs something: a standalone rollout's ranks keep their sampling
+            # RNG streams across a resume only when its pool is known to have kept its size
+            "pools": {name: graph.pools[name].num_devices for name in graph.used_pools()},
             "layouts": {m: layout.model_dump(include={"tp", "pp", "dp"}) for m, layout in graph.layouts.items()},
             "engines": {m: graph.spec.models[m].train.engine for m in trained},
         }
@@ -309,12 +338,22 @@ class Checkpointer:
             saved = meta["engines"].get(model)
             if saved is None:
                 raise SpecError(path, f"models.{model}", "this trained model is not in the checkpoint")
-            if saved != engine:
+            if saved != engine and not _same_checkpoint_format(saved, engine):
                 raise SpecError(path, f"models.{model}.train.engine",
                                 f"saved by the {saved!r} engine; resume with train.engine {saved!r}")
         changes = layout_changes(meta, self._meta())
         if changes:
             log.warning("resuming iteration %d under another layout: %s", meta["iteration"], "; ".join(changes))
+
+
+def _same_checkpoint_format(saved: str, engine: str) -> bool:
+    """Whether train engine ``engine`` reads what ``saved`` wrote (torch DDP <-> FSDP2)."""
+    from hybridflow.spec.engines import engine_names, engine_record
+
+    if saved not in engine_names("train"):
+        return False
+    formats = {engine_record("train", name).caps.checkpoint_format for name in (saved, engine)}
+    return len(formats) == 1 and None not in formats
 
 
 def layout_changes(saved: dict, now: dict) -> list[str]:

@@ -5,6 +5,7 @@ anything; every failure is a one-line ``SpecError`` naming the file and the fiel
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from importlib.util import find_spec
 from pathlib import Path
@@ -13,9 +14,10 @@ from hybridflow.graph.dag import Graph
 from hybridflow.rewards.remote import score_function_paths
 from hybridflow.rewards.rule import load_rule
 from hybridflow.spec.engines import caps_of
+from hybridflow.spec.graph import PRETRAINED_KINDS
 from hybridflow.spec.loading import SpecError
 
-LM_ROLES = ("actor", "ref", "critic", "reward", "cost")
+LM_ROLES = ("actor", "ref", "critic", "reward", "cost", "teacher")
 
 
 
@@ -54,7 +56,7 @@ def check_engines_installed(graph: Graph) -> None:
 
 
 def _source_field(name: str, source) -> str:
-    kind = next(k for k in ("path", "gguf", "package") if getattr(source, k) is not None)
+    kind = next(k for k in PRETRAINED_KINDS if getattr(source, k) is not None)
     return f"models.{name}.source.{kind}"
 
 
@@ -70,6 +72,17 @@ def resolved_model_dir(graph: Graph, name: str) -> Path:
         raise SpecError(graph.file, _source_field(name, source), str(exc)) from None
 
 
+def resolved_tokenizer_dir(graph: Graph, name: str) -> Path:
+    """The directory of a pretrained model's tokenizer (a run's model: the run's)."""
+    from hybridflow.engines.models import ModelSourceError, tokenizer_dir
+
+    source = graph.spec.models[name].source
+    try:
+        return Path(tokenizer_dir(source))
+    except ModelSourceError as exc:
+        raise SpecError(graph.file, _source_field(name, source), str(exc)) from None
+
+
 def run_tokenizer(graph: Graph):
     """The run's tokenizer: the actor's own (pretrained source), else the built-in task's. A
     graph without an actor (it trains scalar models on pairs) takes its first trained model's."""
@@ -79,13 +92,13 @@ def run_tokenizer(graph: Graph):
     if graph.spec.models[name].source.is_pretrained:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(resolved_model_dir(graph, name), local_files_only=True)
+        return AutoTokenizer.from_pretrained(resolved_tokenizer_dir(graph, name), local_files_only=True)
     source = graph.spec.data.source
     task = source.removeprefix("builtin:") if source.startswith("builtin:") else "copy"
     if task not in TASKS:
         raise SpecError(
             graph.file, f"models.{name}.source",
-            f"data.source {source!r} needs a pretrained actor (path, gguf or package) for its "
+            f"data.source {source!r} needs a pretrained actor (path, gguf, package or run) for its "
             "tokenizer; a config-built model has only the character tasks' tokenizers",
         )
     return TASKS[task].tokenizer()
@@ -99,7 +112,7 @@ def check_model_paths(graph: Graph) -> None:
             continue
         field = _source_field(name, model.source)
         path = resolved_model_dir(graph, name)
-        if not path.is_dir():
+        if not os.path.isdir(path):  # False, not OSError, for a name too long
             raise SpecError(graph.file, field, f"model directory {str(path)!r} not found")
         config = path / "config.json"
         if not config.is_file():
@@ -148,25 +161,51 @@ def check_inputs(graph: Graph, tokenizer) -> None:
                 load_rule(rule)
             except ValueError as exc:
                 raise SpecError(graph.file, field, str(exc)) from None
-        if source.is_pretrained and model.role in LM_ROLES:
-            _check_tokenizer_fits(graph.file, _source_field(name, source), resolved_model_dir(graph, name), tokenizer)
+        if source.is_pretrained and model.role in LM_ROLES and name != graph.actor:
+            _check_tokenizer_fits(graph, name, tokenizer)
 
 
-def _check_tokenizer_fits(file: str, field: str, path: Path, tokenizer) -> None:
+def _describe(graph: Graph, name: str) -> str:
+    """A model as a user named it: ``teacher (run runs/grpo_teacher)``."""
+    source = graph.spec.models[name].source
+    kind = next((k for k in PRETRAINED_KINDS if getattr(source, k) is not None), None)
+    return f"{name} ({kind} {getattr(source, kind)})" if kind else f"{name} (config-built)"
+
+
+def _check_tokenizer_fits(graph: Graph, name: str, tokenizer) -> None:
+    """A model scoring the actor's tokens must read them as the actor's tokenizer wrote them;
+    the one-line refusal names both models."""
+    field = _source_field(name, graph.spec.models[name].source)
+    path, tok_path = resolved_model_dir(graph, name), resolved_tokenizer_dir(graph, name)
+    actor = _describe(graph, graph.actor)
     vocab_size = json.loads((path / "config.json").read_text()).get("vocab_size")
     if isinstance(vocab_size, int) and vocab_size < len(tokenizer):
         raise SpecError(
-            file, field,
-            f"model vocab_size {vocab_size} < the run's tokenizer's {len(tokenizer)} tokens; "
-            "expected a model trained with the actor's tokenizer",
+            graph.file, field,
+            f"{_describe(graph, name)} has vocab_size {vocab_size} < the {len(tokenizer)} tokens of "
+            f"the tokenizer of {actor}; expected a model trained with the actor's tokenizer",
         )
-    if (path / "tokenizer_config.json").is_file():
+    if (tok_path / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 
-        own = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        own = AutoTokenizer.from_pretrained(tok_path, local_files_only=True)
         if own.get_vocab() != tokenizer.get_vocab():
             raise SpecError(
-                file, field,
-                f"its tokenizer ({len(own)} tokens) differs from the actor's ({len(tokenizer)} "
-                "tokens); expected the same tokenizer",
+                graph.file, field,
+                f"the tokenizer of {_describe(graph, name)}, {len(own)} tokens, differs from the one "
+                f"of {actor}, {len(tokenizer)} tokens; expected the same tokenizer",
             )
+
+
+def check_score_inputs(graph: Graph, rows: list[dict]) -> None:
+    """A rule, compute_score or remote scorer compares responses with the rows' ground truth:
+    a row without one would score 0 silently, so it stops the run (``DataError``) unless the
+    score node says ``ground_truth: optional``."""
+    from hybridflow.data.datasets import check_ground_truth
+
+    for node in graph.nodes:
+        if not graph.op(node).scores or getattr(node.spec.options, "ground_truth", None) == "optional":
+            continue
+        if graph.spec.models[node.model].source.is_scorer:
+            check_ground_truth(rows, f"expected one for score node {node.name!r} (model {node.model!r}); "
+                               f"nodes.{node.name}.options.ground_truth: optional is for a scorer that needs none")

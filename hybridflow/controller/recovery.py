@@ -94,6 +94,10 @@ class Recovery:
         self.num_restarts += 1
         reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         if self.num_restarts > self.max_restarts:
+            if self.max_restarts == 0:
+                raise RunStopped(
+                    f"a worker died ({reason}); trainer.max_restarts=0, so the run does not recover"
+                ) from exc
             raise RunStopped(
                 f"a worker died again ({reason}); trainer.max_restarts={self.max_restarts} recoveries used up"
             ) from exc

@@ -61,12 +61,33 @@ def _diff(old, new, field: str) -> list[tuple[str, object, object]]:
     return out
 
 
+def _engine_swaps(diffs: list[tuple[str, object, object]]) -> set[str]:
+    """The ``models.<m>.train`` sections whose engine changes to one that reads the other's
+    checkpoints (``EngineCaps.checkpoint_format``: DDP <-> FSDP2)."""
+    from hybridflow.spec.engines import engine_names, engine_record
+
+    def format_of(name: object) -> str | None:
+        return engine_record("train", name).caps.checkpoint_format if name in engine_names("train") else None
+
+    return {
+        field.removesuffix(".engine") for field, old, new in diffs
+        if fnmatch.fnmatchcase(field, "models.*.train.engine") and format_of(old) is not None
+        and format_of(old) == format_of(new)
+    }
+
+
 def resume_changes(before: dict, after: dict) -> tuple[list[str], list[str]]:
     """The fields that differ between two resolved graphs, as ``"field: old -> new"``, the
-    shallowest first: those a resume honours, and those it cannot."""
+    shallowest first: those a resume honours, and those it cannot. A train engine may change to
+    one of the same checkpoint format; then the options only one of the two has are honoured
+    too (the other options of the section are compared as usual)."""
     honoured, refused = [], []
-    for field, old, new in sorted(_diff(before, after, ""), key=lambda d: (d[0].count("."), d[0])):
-        ok = any(fnmatch.fnmatchcase(field, pattern) for pattern in HONOURED_ON_RESUME)
+    diffs = sorted(_diff(before, after, ""), key=lambda d: (d[0].count("."), d[0]))
+    swaps = _engine_swaps(diffs)
+    for field, old, new in diffs:
+        section = field.rpartition(".")[0]
+        ok = section in swaps and (field.endswith(".engine") or "(none)" in (old, new))
+        ok = ok or any(fnmatch.fnmatchcase(field, pattern) for pattern in HONOURED_ON_RESUME)
         (honoured if ok else refused).append(f"{field}: {_short(old)} -> {_short(new)}")
     return honoured, refused
 

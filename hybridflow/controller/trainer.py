@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
 import time
 from collections import deque
@@ -48,7 +49,10 @@ from hybridflow.controller.checkpoint import Checkpointer
 from hybridflow.controller.executor import IterationResult, chrome_trace, run_nodes
 from hybridflow.controller.loggers import RunLoggers
 from hybridflow.controller.ahead import AheadGeneration
-from hybridflow.controller.preflight import check_engines_installed, check_inputs, check_model_paths, run_tokenizer
+from hybridflow.controller.preflight import (
+    check_engines_installed, check_inputs, check_model_paths, check_score_inputs, run_tokenizer,
+)
+from hybridflow.controller.reaper import mark_run
 from hybridflow.controller.recovery import NanGuard, Recovery, RunStopped
 from hybridflow.controller.run_dir import RunDir
 from hybridflow.data.datasets import DataError, PromptDataset, collate_prompts, load_data
@@ -126,6 +130,7 @@ class Trainer:
         self.nan_guard = NanGuard(options.nan_tolerance)
         self.recovery = Recovery(self.dirs.events, options.max_restarts)
         self.checkpointer = Checkpointer(self.dirs, graph, self.extra_state)
+        self.started = time.perf_counter()  # fit() restarts it once set up
 
     @property
     def run_dir(self) -> Path:
@@ -143,6 +148,7 @@ class Trainer:
         started = time.perf_counter()
         try:
             self._setup()  # inside: a group that fails to start must not leak its pool
+            self.started = time.perf_counter()
             total = self.spec.trainer.iterations
             last = min(total, stop_after or total)
             resume_from = self.checkpointer.latest_intact() if self.resume else None
@@ -219,6 +225,10 @@ class Trainer:
         interval = self.spec.trainer.val_interval
         if interval and (iteration % interval == 0 or iteration == self.spec.trainer.iterations):
             metrics.update(self.validate())
+        # What a comparison of two algorithms' cost plots against (`hybridflow plot --x wall`):
+        # from the end of setup, whose time (Ray, workers) follows the machine's load more
+        # than the algorithm; validation included.
+        metrics["time/wall_s"] = time.perf_counter() - self.started
         self.nan_guard.observe(metrics)
         self.logger.log(metrics, {name: out.metas for name, out in result.outputs.items()})
         self.history.append(metrics)
@@ -244,6 +254,7 @@ class Trainer:
     def _setup_prompts(self, tokenizer) -> None:
         spec = self.spec
         train_rows, val_rows = load_data(spec.data, self.graph.file)
+        check_score_inputs(self.graph, train_rows + val_rows)
         self.dataset = PromptDataset(
             train_rows,
             tokenizer,
@@ -296,6 +307,8 @@ class Trainer:
         tqdm.write(batch_plan(spec, self.graph.layouts, self.graph.file).describe())
         for name, why in self.graph.redundant_nodes().items():
             tqdm.write(f"note: node {name!r} is redundant: {why}")
+        if not self.address and not ray.is_initialized():
+            mark_run()  # the local Ray about to start is this run's: it ends with the run
         worker_log = start_ray(
             self.address, self.graph.pools.values(), worker_log=None if self.verbose else self.dirs.path / "workers.log"
         )
@@ -423,6 +436,11 @@ class Trainer:
     def save_actor(self, path: Path) -> None:
         group = self.groups[self.graph.placement[self.graph.actor]]
         ray.get(group.call("save_hf", model=self.graph.actor, path=str(path.resolve())))
+        # With its tokenizer the saved actor is a whole model: another graph's source
+        # (`source: {run: ...}`), `hybridflow eval --actor`, or transformers itself.
+        for target in (path, path / "merged"):
+            if target.is_dir():
+                shutil.copytree(self.dirs.tokenizer, target, dirs_exist_ok=True)
 
     def save_scalar(self, model: str, path: Path) -> None:
         """A reward or cost model as a plain HF scalar model (``engines.scalar_model``)."""
@@ -444,7 +462,8 @@ class Trainer:
         val = [m["val/reward/mean"] for m in self.history if "val/reward/mean" in m]
         return {
             "run_dir": str(self.run_dir),
-            "iterations": len(self.history),
+            # the last iteration's number: a row lost to a cut metrics line is not a lost iteration
+            "iterations": self.history[-1].get("iteration", len(self.history)) if self.history else 0,
             "reward_first10": sum(rewards[:window]) / max(window, 1),
             "reward_last10": sum(rewards[-window:]) / max(window, 1),
             "val_reward_final": val[-1] if val else None,

@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 BUILTIN_PREFIX = "builtin:"
 ORIGIN = "origin"  # row field: where the row came from, for error messages
 FIELD = "field"  # row field: the graph-file field that named its file (data.train_files, ...)
+NO_TRUTH = "no_ground_truth"  # row field: the schema field a row lacking a ground truth lacks
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -130,7 +131,7 @@ def load_prompt_rows(
     path = source if os.path.isabs(source) else os.path.join(base_dir, source)
     if not os.path.isfile(path):
         raise DataError(
-            f"{path}: no such prompt file (data.source {source!r}, "
+            f"{shorten(path)}: no such prompt file (data.source {shorten(repr(source))}, "
             f'expected "builtin:NAME" or a JSONL file)'
         )
     rows = read_rows(path, "data.source")
@@ -147,7 +148,7 @@ def _builtin_rows(source: str, num: int, seed: int) -> list[dict]:
         return [_row(r, f"{source} prompt {i}", "data.source") for i, r in enumerate(raw)]
     if name not in TASKS:
         raise DataError(
-            f"data.source {source!r}: unknown built-in task {name!r}, "
+            f"data.source {shorten(repr(source))}: unknown built-in task {shorten(repr(name))}, "
             f"expected one of {sorted([*TASKS, *makers])}"
         )
     task = TASKS[name]
@@ -169,9 +170,12 @@ def read_rows(path: str, field: str = "data.train_files") -> list[dict]:
 def read_records(path: str, field: str = "data.train_files") -> tuple[list[dict], list[str]]:
     """The raw records of one parquet, JSONL or JSON file (at least one), read with HF ``datasets``,
     and where each came from (``FILE:LINE`` or ``FILE:row N``); no check of their fields."""
+    if os.path.isdir(path):
+        raise DataError(f"{shorten(path)}: is a directory, expected a .parquet, .jsonl or .json file ({field})", field)
     if not os.path.isfile(path):
-        raise DataError(f"{path}: no such data file ({field})", field)
+        raise DataError(f"{shorten(path)}: no such data file ({field})", field)
     if path.endswith(".parquet"):
+        _check_parquet_columns(path, field)
         raw = _read_with_datasets(path, "parquet", field)
         wheres = [f"{path}:row {i}" for i in range(len(raw))]
     elif path.endswith((".jsonl", ".json")):
@@ -187,6 +191,23 @@ def _quiet(datasets) -> None:
     # Progress bars and its own log lines for a file it cannot read: our DataError says it.
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+
+
+def _check_parquet_columns(path: str, field: str) -> None:
+    """What ``datasets`` would only call a DatasetGenerationError: no rows, or a column name
+    given twice (pyarrow writes such files; a table cannot hold them)."""
+    import pyarrow.parquet as pq
+
+    try:
+        metadata = pq.read_metadata(path)
+    except Exception:  # not parquet at all: _read_with_datasets says so
+        return
+    names = metadata.schema.to_arrow_schema().names
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise DataError(f"{shorten(path)}: duplicated column {shorten(repr(twice[0]))}; expected each column once", field)
+    if metadata.num_rows == 0:
+        raise DataError(f"{shorten(path)}: expected at least one row, found none", field)
 
 
 def _read_with_datasets(path: str, kind: str, field: str) -> list[dict]:
@@ -298,6 +319,7 @@ def _row(obj: dict, where: str, field: str) -> dict:
         truth, truth_field = reward_model.get("ground_truth"), "reward_model.ground_truth"
     else:
         truth, truth_field = obj.get("ground_truth"), "ground_truth"
+    missing = truth_field if truth is None else None
     if truth is None:
         truth = ""
     elif isinstance(truth, Real) and not isinstance(truth, bool):
@@ -319,7 +341,16 @@ def _row(obj: dict, where: str, field: str) -> dict:
         "extra_info": extra_json,
         ORIGIN: where,
         FIELD: field,
+        NO_TRUTH: missing,
     }
+
+
+def check_ground_truth(rows: Sequence[dict], why: str) -> None:
+    """``DataError`` naming the first row (file, row, field) that has no ground truth, for a
+    scorer that needs one (``why``: which, and how to say it needs none)."""
+    for row in rows:
+        if row.get(NO_TRUTH):
+            raise DataError(f"{row[ORIGIN]}: {row[NO_TRUTH]}: missing; {why}", row[FIELD])
 
 
 # -- batches ----------------------------------------------------------------------------------

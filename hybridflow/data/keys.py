@@ -44,6 +44,7 @@ WEIGHT_LOADS = "weight_loads"  # (B,) int64, weight loads while in flight (a rol
 # -- forward passes ---------------------------------------------------------------------------
 OLD_LOG_PROBS = "old_log_probs"  # (B, R) float, actor log-probs before the update (behaviour policy)
 REF_LOG_PROBS = "ref_log_probs"  # (B, R) float, reference model log-probs
+TEACHER_LOG_PROBS = "teacher_log_probs"  # (B, R) float, a frozen teacher's log-probs of the student's tokens (distillation)
 ROLLOUT_IS_WEIGHTS = "rollout_is_weights"  # (B, R) float, detached truncated-IS weight (update-internal)
 ENTROPY = "entropy"  # (B, R) float, per-token entropy of the actor's distribution
 VALUES = "values"  # (B, R) float, critic value estimates

@@ -115,6 +115,18 @@ class TrainEngine(abc.ABC):
         """The full weights with HF parameter names (gathered when sharded: a collective every
         rank calls). What an unsharded engine's rollout engine loads each iteration."""
 
+    def rollout_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module a rollout engine beside this engine is built from (``module``: the one
+        ``build`` took). An engine whose module stays whole on every rank hands it on (the
+        transformers rollout then generates from it); a sharded one a full copy of its
+        weights (collective: every rank calls it)."""
+        return module
+
+    def sync_metrics(self) -> dict[str, float]:
+        """Metrics of the last ``named_weights`` pass (a sharded engine's gathers:
+        ``reshard/peak_bytes`` ...); empty when nothing was gathered."""
+        return {}
+
     def train_shard(self) -> TrainShard | None:
         """The sharded training buffer the resharder moves to the rollout engine; None for an
         engine holding full weights on every rank (``named_weights`` serves the sync)."""

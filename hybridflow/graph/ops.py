@@ -45,7 +45,7 @@ from hybridflow.spec.graph import (
 Body = Callable[..., tuple]  # (ctx, batch, node) -> (TensorDict, meta)
 _BODIES: dict[str, Body] = {}  # "module:function" -> the function, once imported
 
-ANY_ROLE = frozenset({"actor", "critic", "ref", "reward", "cost"})
+ANY_ROLE = frozenset({"actor", "critic", "ref", "reward", "cost", "teacher"})
 
 
 @dataclass(frozen=True)
@@ -231,13 +231,17 @@ register_op(Op(
 ))
 register_op(Op(
     "log_prob",
-    roles=frozenset({"actor", "ref"}),
+    roles=frozenset({"actor", "ref", "teacher"}),
     options=NoOptions,
     body="hybridflow.workers.ops.forward:log_prob",
     forward=True,
     inputs={"*": ("responses",)},
-    outputs={"actor": ("old_log_probs",), "ref": ("ref_log_probs",)},
-    writes={"old_log_probs": (K.OLD_LOG_PROBS,), "ref_log_probs": (K.REF_LOG_PROBS,)},
+    outputs={"actor": ("old_log_probs",), "ref": ("ref_log_probs",), "teacher": ("teacher_log_probs",)},
+    writes={
+        "old_log_probs": (K.OLD_LOG_PROBS,),
+        "ref_log_probs": (K.REF_LOG_PROBS,),
+        "teacher_log_probs": (K.TEACHER_LOG_PROBS,),
+    },
 ))
 register_op(Op(
     "values",

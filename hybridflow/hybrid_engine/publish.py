@@ -40,7 +40,8 @@ def publish(engine: TrainEngine, version: int, bucket_mb: float) -> dict:
         "buckets": buckets,
         "version": version,
         "metrics": {"weight_sync/bytes": float(total), "weight_sync/buckets": float(len(buckets)),
-                    "timing/weight_publish": time.perf_counter() - start},
+                    "timing/weight_publish": time.perf_counter() - start,
+                    **engine.sync_metrics()},  # a sharded engine's gathers
     }
 
 

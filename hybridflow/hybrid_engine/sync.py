@@ -10,6 +10,11 @@ Three cases, chosen by the train engine (``weight_sync``):
   process. The transformers rollout engine generates from the train engine's own module:
   ``load_weights`` finds every tensor already in place and copies nothing. vLLM keeps its own copy
   and takes the weights through ``load_weights``.
+- **Data-parallel shards** (:func:`sync_weights` too): an FSDP2 engine's ``named_weights``
+  gathers the full tensors a bucket at a time (``train.sync_bucket_mb``), every rank, and the
+  rollout engine copies each bucket before the next is gathered; the engine reports
+  ``reshard/peak_bytes`` (the largest bucket), ``reshard/received_bytes`` and
+  ``reshard/model_bytes``.
 - **Sharded** (:class:`ReshardedSync`): a train engine whose parameters are views of a flat
   training shard (``TrainEngine.train_shard``: megatron-core, TP x PP). Each iteration the resharder gathers the generation
   shard from the micro-DP group (zero-redundancy path, or the naive one), the rollout engine
@@ -59,7 +64,8 @@ def sync_weights(train: TrainEngine, rollout: RolloutEngine) -> dict[str, float]
     train engine's module)."""
     start = time.perf_counter()
     moved = rollout.load_weights(train.named_weights())
-    return {"timing/weight_sync": time.perf_counter() - start, "weight_sync/bytes": float(moved)}
+    metrics = {"timing/weight_sync": time.perf_counter() - start, "weight_sync/bytes": float(moved)}
+    return {**metrics, **train.sync_metrics()}
 
 
 def sync_merged(train: TrainEngine, rollout: RolloutEngine) -> dict[str, float]:

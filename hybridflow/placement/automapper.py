@@ -29,7 +29,7 @@ from hybridflow.graph.library import ALGORITHMS
 from hybridflow.graph.ops import OPS
 from hybridflow.placement.profiles import HardwareProfile, ModelArch, arch_from_hf_config, get_profile, model_size
 from hybridflow.spec.engines import caps_of
-from hybridflow.spec.graph import TINY_QWEN2
+from hybridflow.spec.graph import PRETRAINED_KINDS, TINY_QWEN2
 from hybridflow.spec.layout import GenerationLayout
 from hybridflow.placement.simulator import (
     ModelInfo,
@@ -314,7 +314,7 @@ def _arch_of(name: str, graph, size: str | None) -> ModelArch | None:
     if size is not None:
         return model_size(size)
     if source.is_pretrained:
-        where = Path(source.path or source.gguf or source.package).name
+        where = Path(source.path or source.gguf or source.package or source.run).name
         return arch_from_hf_config(_pretrained_config(name, graph), name=where)
     return arch_from_hf_config({"vocab_size": TINY_VOCAB, **TINY_QWEN2, **(source.config or {})})
 
@@ -322,15 +322,17 @@ def _arch_of(name: str, graph, size: str | None) -> ModelArch | None:
 def _pretrained_config(name: str, graph) -> dict:
     """The HF config of a ``path``, ``gguf`` or ``package`` source, read without loading (nor
     converting) the weights; a missing or unreadable one is a SpecError naming the field."""
-    from hybridflow.engines.models import ModelSourceError, gguf_file
+    from hybridflow.engines.models import ModelSourceError, gguf_file, run_model_dir
 
     source = graph.spec.models[name].source
-    kind = next(k for k in ("path", "gguf", "package") if getattr(source, k) is not None)
+    kind = next(k for k in PRETRAINED_KINDS if getattr(source, k) is not None)
     field = f"models.{name}.source.{kind}"
     try:
         if source.path is not None:
             config = resolve_relative(source.path, graph.file) / "config.json"
             return json.loads(config.read_text())
+        if source.run is not None:
+            return json.loads((run_model_dir(source.run, source.model) / "config.json").read_text())
         file = gguf_file(source)
         from transformers import AutoConfig
 
@@ -358,6 +360,7 @@ def plan_graph(graph, model_size_name: str | None = None) -> PlanGraph:
             trainable=name in updated,
             micro_batch=None if model_size_name else m.train.micro_batch_size,
             any_layout=model_size_name is not None or caps_of(m.train).model_parallel,
+            state_sharding=_state_sharding(caps_of(m.train), model_size_name),
             flexible_generation=m.rollout is not None and (caps_of(m.rollout).generation_tp or model_size_name is not None),
         )
     actor = spec.models[graph.actor] if graph.actor is not None else None
@@ -372,6 +375,34 @@ def plan_graph(graph, model_size_name: str | None = None) -> PlanGraph:
         micro_batch=1 if model_size_name or actor is None else actor.train.micro_batch_size,
     )
     return PlanGraph(models, _op_nodes(graph.nodes, graph.dag), workload)
+
+
+def _state_sharding(caps, model_size_name: str | None) -> str:
+    """``ModelInfo.state_sharding`` of a model under its train engine (``--model-size`` plans
+    every model as megatron-core would run it)."""
+    if model_size_name is not None or caps.model_parallel:
+        return "model_parallel"
+    return "data_parallel" if caps.sharded_data_parallel else "replicated"
+
+
+def train_memory_lines(mapper: "AutoMapper", n: int) -> list[str]:
+    """For each trained model: its static bytes per device on ``n`` devices alone, under its
+    train engine, with the arithmetic (the layout with the least), and whether it fits."""
+    usable = mapper.sim.usable_memory()
+    lines = []
+    for name, info in mapper.graph.models.items():
+        if not info.trainable or info.arch is None:
+            continue
+        memory, terms = min(
+            (mapper.sim.static_memory_terms(info, layout) for layout in mapper.sim.layouts(info, n)),
+            key=lambda t: t[0],
+        )
+        verdict = "fits" if memory <= usable else "does not fit"
+        lines.append(
+            f"{name} train state per device on {n} devices: {terms} = {memory / 1e9:.4g} GB; "
+            f"{verdict} in {usable / 1e9:.4g} GB usable"
+        )
+    return lines
 
 
 def _op_nodes(nodes, dag: nx.DiGraph) -> tuple[OpNode, ...]:

@@ -16,8 +16,10 @@ per-call overheads by least squares from measured single-node op times).
 - tensor-parallel all-reduces, data-parallel gradient reduce-scatter + all-gather, the
   3D-HybridEngine's train -> generate all-gather and inter-set data transfers move bytes over
   NVLink inside a node or the node's network link across nodes;
-- memory per device: bf16 weights + grads sharded by tp*pp, fp32 Adam state (master, m, v)
-  sharded by tp*pp*dp (distributed optimizer), activations with selective recompute
+- memory per device, by the train engine's state sharding (``ModelInfo.state_sharding``):
+  megatron-core's bf16 weights + grads sharded by tp*pp, fp32 Adam state (master, m, v)
+  sharded by tp*pp*dp (distributed optimizer); DDP's all of it on every rank; FSDP2's all of it
+  sharded by dp (ZeRO-3); activations with selective recompute
   (34 * s * b * h bytes per layer / tp, Korthikanti et al. 2022), KV cache.
 """
 
@@ -73,6 +75,11 @@ class ModelInfo:
     any_layout: bool = True  # False: data parallel only (the torch engine)
     flexible_generation: bool = True  # generation layout may differ from training (vLLM)
     micro_batch: int | None = None  # samples per forward/backward; None = the workload's
+    # How a trained model's weights, gradients and optimizer state split over the ranks:
+    # "model_parallel" (megatron-core: weights and gradients over tp x pp, the optimizer over
+    # every rank), "replicated" (DDP: everything on every rank), "data_parallel" (FSDP2:
+    # everything over every rank).
+    state_sharding: str = "model_parallel"
 
 
 @dataclass(frozen=True)
@@ -177,13 +184,26 @@ class Simulator:
         """Bytes per device held all iteration: weights (+ grads and optimizer if trained)."""
         if model.arch is None:
             return 0.0
+        return self.static_memory_terms(model, layout)[0]
+
+    def static_memory_terms(self, model: ModelInfo, layout: GenerationLayout) -> tuple[float, str]:
+        """``static_memory`` and its arithmetic, as ``hybridflow plan`` prints it."""
         params = model.arch.num_params
         bpp = self.profile.bytes_per_param
-        mp = layout.train.model_parallel_size
-        memory = params * bpp / mp
-        if model.trainable:
-            memory += params * bpp / mp + params * OPTIMIZER_BYTES_PER_PARAM / layout.train.world_size
-        return memory
+        mp, world = layout.train.model_parallel_size, layout.train.world_size
+        if not model.trainable:
+            return params * bpp / mp, f"{bpp:g} B weights x {params:.3g} params / {mp} (tp x pp)"
+        state = f"({bpp:g} B weights + {bpp:g} B grads + {OPTIMIZER_BYTES_PER_PARAM} B AdamW) x {params:.3g} params"
+        if model.state_sharding == "replicated":
+            return params * (2 * bpp + OPTIMIZER_BYTES_PER_PARAM), f"{state}, whole on every rank (DDP)"
+        if model.state_sharding == "data_parallel":
+            memory = params * (2 * bpp + OPTIMIZER_BYTES_PER_PARAM) / world
+            return memory, f"{state} / {world} ranks (FSDP2: all of it sharded over dp)"
+        memory = params * 2 * bpp / mp + params * OPTIMIZER_BYTES_PER_PARAM / world
+        return memory, (
+            f"({bpp:g} B weights + {bpp:g} B grads) x {params:.3g} params / {mp} (tp x pp) + "
+            f"{OPTIMIZER_BYTES_PER_PARAM} B AdamW x {params:.3g} / {world} ranks (distributed optimizer)"
+        )
 
     def transient_memory(self, model: ModelInfo, layout: GenerationLayout) -> float:
         """Bytes per device needed only while one op runs: activations, or generation's extra

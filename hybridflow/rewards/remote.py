@@ -233,6 +233,8 @@ class RewardSources:
         default_reward: float,
         timeout_s: float | None,
         num_workers: int = 0,
+        batch_timeout_s: float | None = None,
+        max_timeout_frac: float | None = None,
         data_sources: Sequence[str] | None = None,
         extra_infos: Sequence[dict | None] | None = None,
     ) -> ScoreResult:
@@ -260,6 +262,7 @@ class RewardSources:
                 values, errors, more = score_items(
                     scorer if pool is None else where, items, pool, on_error=on_error,
                     default_reward=default_reward, timeout_s=timeout_s, name=where,
+                    batch_timeout_s=batch_timeout_s, max_timeout_frac=max_timeout_frac,
                 )
                 num_errors += errors
                 extras.update({(key if self.single else f"{name}/{key}"): v for key, v in more.items()})

@@ -133,16 +133,27 @@ def score_items(
     default_reward: float = 0.0,
     timeout_s: float | None = None,
     name: str = "rule",
+    batch_timeout_s: float | None = None,
+    max_timeout_frac: float | None = None,
 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
     """``fn(*item)`` for every item: (B,) float32 scores, how many samples got
     ``default_reward`` because scoring failed, and the other numeric keys of dict results
     ((B,) each, 0 where a sample lacks the key).
 
     With a ``pool`` (``rewards.pool.ScorePool``) ``fn`` is a ``module:function`` name and the
-    calls run in its processes; without, ``fn`` is called here (``call_with_timeout``).
+    calls run in its processes; without, ``fn`` is called here (``call_with_timeout``). The
+    pool also stops the batch as a whole (``RewardError``): at its first timed-out call under
+    ``on_error: fail``, past ``batch_timeout_s``, or past ``max_timeout_frac`` of its calls
+    timed out; a rule that hangs on every sample would otherwise score zeros for minutes.
     """
     if pool is not None:
-        outcomes = pool.call(fn, items, timeout_s)
+        from hybridflow.rewards.pool import BatchStopped
+
+        try:
+            outcomes = pool.call(fn, items, timeout_s, first_timeout_stops=on_error == "fail",
+                                 batch_timeout_s=batch_timeout_s, max_timeout_frac=max_timeout_frac)
+        except BatchStopped as exc:
+            raise RewardError(f"reward {name}: {exc}") from None
     else:
         outcomes = []
         for item in items:

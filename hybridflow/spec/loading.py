@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+import os
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from hybridflow.data.echo import ECHO_CHARS, shorten
 from hybridflow.spec.engines import engine_names
 from hybridflow.spec.graph import OtherEngineOption, node_types
 from hybridflow.spec.pool import PoolsFile
@@ -16,18 +19,32 @@ from hybridflow.spec.pool import PoolsFile
 M = TypeVar("M", bound=BaseModel)
 
 
+# A run of characters without a space this long in an error line is a user value nobody cut
+# where it was quoted (a 10,000-character override, path or module name).
+_LONG_WORD = re.compile(r"\S{%d,}" % (ECHO_CHARS + 20))
+
+
+def bounded(text: str) -> str:
+    """``text`` on one line with every over-long word cut to ``ECHO_CHARS`` (data/echo.py)."""
+    return _LONG_WORD.sub(lambda m: shorten(m.group(0)), text.replace("\n", " "))
+
+
 class SpecError(ValueError):
-    """A user mistake in an input file: ``FILE: field.path: what was expected``, one line."""
+    """A user mistake in an input file: ``FILE: field.path: what was expected``, one line.
+
+    Any word of it longer than about ``ECHO_CHARS`` is cut, so a value that reached the message
+    uncut (the file name and field path included) still gives a line a terminal shows whole.
+    """
 
     def __init__(self, file: str | Path, field: str, message: str):
         self.file, self.field, self.message = str(file), field, message
         where = f"{self.file}: {field}: " if field else f"{self.file}: "
-        super().__init__((where + message).replace("\n", " "))
+        super().__init__(bounded(where + message))
 
 
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
-    if not path.is_file():
+    if not os.path.isfile(path):  # False, not OSError, for a name too long for the filesystem
         raise SpecError(path, "", "file not found")
     try:
         raw = yaml.safe_load(path.read_text())
@@ -79,7 +96,7 @@ def apply_overrides(raw: dict, overrides: list[str], file: str | Path) -> dict:
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
-            raise SpecError(file, item, "an override must look like a.b.c=value")
+            raise SpecError(file, shorten(item), "an override must look like a.b.c=value")
         try:
             value = yaml.safe_load(text) if text else ""
         except yaml.YAMLError:
@@ -94,7 +111,7 @@ def apply_overrides(raw: dict, overrides: list[str], file: str | Path) -> dict:
                 node = node[index]
             last = _step(node, parts[-1], key, create=True)
         except KeyError as exc:
-            raise SpecError(file, key, f"override path {exc.args[0]!r} does not exist") from None
+            raise SpecError(file, shorten(key), f"override path {shorten(repr(exc.args[0]))} does not exist") from None
         node[last] = value
     return raw
 
@@ -136,12 +153,12 @@ def validate_model(model: type[M], raw: dict, file: str | Path) -> M:
         else:
             message = err["msg"].removeprefix("Value error, ")
             if "input" in err and not isinstance(err["input"], (dict, list)):
-                message += f" (got {err['input']!r})"
+                message += f" (got {shorten(repr(err['input']))})"
         if err["type"] == "union_tag_invalid" and err["loc"][-1] in ENGINE_KINDS:
             field += ".engine"
-            message = f"unknown {err['loc'][-1]} engine {err['ctx']['tag']!r}; known: {', '.join(engine_names(err['loc'][-1]))}"
+            message = f"unknown {err['loc'][-1]} engine {shorten(repr(err['ctx']['tag']))}; known: {', '.join(engine_names(err['loc'][-1]))}"
         elif err["type"] == "union_tag_invalid":
-            message = f"unknown op {err['ctx']['tag']!r}; expected one of {err['ctx']['expected_tags']}"
+            message = f"unknown op {shorten(repr(err['ctx']['tag']))}; expected one of {err['ctx']['expected_tags']}"
         if more:
             message += f" (+{more} more error{'s' if more > 1 else ''})"
         raise SpecError(file, field, message) from None
@@ -157,11 +174,12 @@ def resolve_relative(path: str, graph_file: str | Path | None) -> Path:
     Shipped graphs name ``resource_pools/local_cpu.yaml``; that must work from the repository
     root and from anywhere the graph file is given by path.
     """
+    # os.path.exists: False, not OSError, for a name too long for the filesystem.
     candidate = Path(path)
-    if candidate.is_absolute() or candidate.exists() or graph_file is None:
+    if candidate.is_absolute() or os.path.exists(candidate) or graph_file is None:
         return candidate
     beside = Path(graph_file).resolve().parent / path
-    if beside.exists():
+    if os.path.exists(beside):
         return beside
     above = Path(graph_file).resolve().parent.parent / path  # graphs/../resource_pools
-    return above if above.exists() else candidate
+    return above if os.path.exists(above) else candidate

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class PoolSpec(BaseModel):
     """One resource pool: ``nodes`` x ``devices_per_node`` devices of one kind."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     nodes: int = Field(1, ge=1, description="Ray nodes the pool spans.")
     devices_per_node: int = Field(1, ge=1, description="Devices (worker processes) per node.")
@@ -36,6 +36,6 @@ class PoolSpec(BaseModel):
 class PoolsFile(BaseModel):
     """A pool file: ``pools`` maps a pool name to its devices."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     pools: dict[str, PoolSpec] = Field(description="Pool name -> pool.")

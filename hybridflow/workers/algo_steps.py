@@ -124,6 +124,12 @@ def compute_advantages(
     token_rewards = place_sequence_reward(fields["scores"], mask)
     prefix = "cost_" if out_fields[0] == K.COST_ADVANTAGES else ""
     metrics: dict[str, float] = {}
+    if "teacher_log_probs" in node.inputs:
+        teacher, student = batch[K.TEACHER_LOG_PROBS].float(), batch[K.OLD_LOG_PROBS].float()
+        fields["teacher_log_probs"], fields["student_log_probs"] = teacher, student
+        metrics["distill/reverse_kl"] = float(masked_mean(student - teacher, mask, reduce_sum))
+        metrics["distill/teacher_log_prob"] = float(masked_mean(teacher, mask, reduce_sum))
+        metrics["distill/student_log_prob"] = float(masked_mean(student, mask, reduce_sum))
     if opts.kl_coef > 0:
         controller = state[f"kl_ctrl/{node.name}"]
         kl = kl_penalty(

@@ -90,7 +90,7 @@ class ModelWorker(Worker):
             if rollout is not None and name not in graph.rollout_pools:
                 # vLLM starts with LoRA only when it will take adapters, not merged weights
                 adapter = None if rollout.merges_lora else engine.adapter_config()
-                self.rollout_engines[name] = self._build_rollout(name, module, adapter)
+                self.rollout_engines[name] = self._build_rollout(name, engine.rollout_module(module), adapter)
                 self.weight_syncs[name] = weight_sync(engine, rollout)  # collective when resharded
         for name in rollouts:  # a standalone rollout (rollout.pool): its weights come by publish_weights
             model_spec = graph_spec.models[name]
@@ -219,9 +219,11 @@ class ModelWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def publish_weights(self, *, model: str, bucket_mb: float) -> dict | None:
-        """Rank 0 publishes ``model``'s current weights (every data-parallel rank holds the
-        same full weights); the other ranks return None."""
+        """Rank 0 publishes ``model``'s current weights (every data-parallel rank holds or
+        gathers the same full weights); the other ranks return None."""
         if self.rank != 0:
+            for _ in self.train_engines[model].named_weights():  # a sharded engine gathers: every rank
+                pass
             return None
         return publish.publish(self.train_engines[model], self.ctx.train_versions[model], bucket_mb)
 

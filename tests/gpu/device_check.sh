@@ -58,6 +58,8 @@ if [[ $DRY == 1 ]] || have pytest; then
     step gpu-tests 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu \
         tests/test_colocation.py \
         tests/test_reshard.py tests/gpu/test_megatron_nccl.py
+    # One FSDP2 step (fully_shard over a world of one, nccl) against the torch engine's step.
+    step fsdp2-cuda 30 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_fsdp2_cuda.py
 else
     skip "cpu-layers, gpu-tests" "no pytest (add it to tests/gpu/wheels)"
 fi

@@ -12,7 +12,8 @@ from hybridflow.workers.context import WorkerContext
 
 def log_prob(ctx: WorkerContext, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
     """The responses' (B, R) log-probs under the node's model (actor: ``old_log_probs``, ref:
-    ``ref_log_probs``), at the actor's sampling temperature."""
+    ``ref_log_probs``, teacher: ``teacher_log_probs``), at the actor's sampling temperature: the
+    distribution the student sampled from is the one a teacher is compared with."""
     out = ctx.train_engines[node.model].forward(batch, ctx.temperature())
     result = TensorDict({node.outputs[0]: out["log_probs"]}, batch_size=batch.batch_size)
     metrics = {}
