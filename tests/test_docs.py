@@ -167,6 +167,18 @@ def _shrunk_run(command: str) -> tuple:
     return load_graph_spec(ROOT / tokens[at + 1], overrides), options
 
 
+def small_run(command: str) -> list[str]:
+    """``SMALL_RUN`` for the graph the command runs; a graph without an actor (it trains a
+    reward or cost model on pairs) has no rollout to shrink."""
+    graph = re.search(r"hybridflow run\s+(\S+\.yaml)", command)
+    path = ROOT / graph.group(1) if graph else None
+    if path is not None and path.is_file():
+        models = (yaml.safe_load(path.read_text()) or {}).get("models", {})
+        if not any(isinstance(m, dict) and m.get("role") == "actor" for m in models.values()):
+            return [o for o in SMALL_RUN if not o.startswith("models.actor.")]
+    return SMALL_RUN
+
+
 def shrink(command: str) -> str:
     """The command made small, edited as text so quoting, globs and $VARS stay as typed."""
     command = re.sub(r"iterations=\d+", "iterations=2", command)
@@ -175,7 +187,7 @@ def shrink(command: str) -> str:
         # After the file's own overrides (later ones win), before the --options.
         option = re.search(r"\s--[a-z]", command)
         at = option.start() if option else len(command)
-        return f"{command[:at]} {' '.join(SMALL_RUN)}{command[at:]}"
+        return f"{command[:at]} {' '.join(small_run(command))}{command[at:]}"
     if re.match(r"^python examples/", command) and "--iterations" not in command:
         return command + " --iterations 2"
     if re.match(r"^\S*hybridflow eval\s", command):
@@ -298,7 +310,10 @@ def _check_outputs(command: str, done: subprocess.CompletedProcess, work: Path) 
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             assert rows and all(math.isfinite(v) for row in rows for v in row.values()), run_dir
             assert len(rows) == int(shown.group(1)), (len(rows), done.stdout[-2000:])
-            assert (run_dir / "actor" / "config.json").is_file(), "the trained actor was not saved"
+            # a graph without an actor saves the reward or cost models it trained instead
+            saved = [run_dir / "actor"] if small_run(command) is SMALL_RUN else [
+                run_dir / model for model in ("reward", "cost") if (run_dir / model).is_dir()]
+            assert saved and all((d / "config.json").is_file() for d in saved), "the trained model was not saved"
     if tokens[:2] == ["hybridflow", "plot"]:
         png = Path(tokens[tokens.index("--out") + 1]) if "--out" in tokens else Path(tokens[2]) / "plot.png"
         assert (work / png).read_bytes()[:4] == b"\x89PNG", png

@@ -56,7 +56,7 @@ def test_records_flag_what_the_code_asks_about():
     assert flagged == {
         "generates": {"generate", "multi_turn_generate"},
         "multi_turn": {"multi_turn_generate"},
-        "trains": {"update"},
+        "trains": {"update", "pair_update"},
         "scores": {"score"},
         "forward": {"log_prob", "values", "score"},
         "refills": {"filter"},

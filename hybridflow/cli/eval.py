@@ -25,6 +25,13 @@ truncated response whose answer is right counts as right; ``truncated_frac`` rep
 - ``mean_score`` (greedy), ``response_length`` and ``truncated_frac`` (greedy).
 
 Printed as a table; ``--json FILE`` writes the same numbers (and per-prompt results) as JSON.
+``--pairs-out FILE`` also writes preference pairs (JSONL, ``{prompt, chosen, rejected}``, the
+rows ``graphs/reward_model.yaml`` trains on) from each prompt's sampled responses ranked by
+the graph's scorer: repeated responses once, best against worst inward, ties dropped.
+
+On a graph that trains a scalar model on pairs (``graphs/reward_model.yaml``), eval scores the
+held-out pairs instead: ``pairwise_accuracy`` of the graph's model, or of ``--actor`` (a saved
+scalar model, or the run directory holding it).
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ def add_parser(sub) -> None:
     ev.add_argument("--threshold", type=float, default=THRESHOLD, help="score that counts as correct")
     ev.add_argument("--engine", choices=engine_names("rollout"), help="rollout engine (default: the actor's)")
     ev.add_argument("--json", dest="json_out", help="also write the results as JSON here")
+    ev.add_argument("--pairs-out", help="write preference pairs {prompt, chosen, rejected} (JSONL) from each "
+                    "prompt's sampled responses ranked by the graph's scorer, ties dropped")
     ev.set_defaults(func=cmd_eval)
 
 
@@ -89,13 +98,17 @@ def _actor_weights(actor: str, model: str) -> tuple[Path | None, Path | None]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from hybridflow.graph.dag import load_graph
     from hybridflow.spec.loading import SpecError
 
     samples = args.samples or args.k
     if args.k < 1 or samples < args.k:
         raise SpecError(args.graph, "--k", f"expected 1 <= k <= samples, got k={args.k}, samples={samples}")
-    results = evaluate(args.graph, args.overrides, args.actor, args.k, samples, args.limit,
-                       args.threshold, args.engine)
+    if load_graph(args.graph, args.overrides).reads_pairs:
+        results = evaluate_pairs(args.graph, args.overrides, args.actor, args.limit)
+    else:
+        results = evaluate(args.graph, args.overrides, args.actor, args.k, samples, args.limit,
+                           args.threshold, args.engine, args.pairs_out)
     print(format_table(results))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -122,6 +135,7 @@ def evaluate(
     limit: int | None,
     threshold: float = THRESHOLD,
     engine: str | None = None,
+    pairs_out: str | None = None,
 ) -> dict:
     """The eval's numbers (module docstring) as a dict: ``summary`` and per-prompt ``prompts``."""
     import torch
@@ -191,7 +205,7 @@ def evaluate(
     options = scorer_options(score_node.spec.options)
     try:
         greedy_scores, greedy_texts = _score(scorer, greedy, tokenizer, options, row_fields)
-        sample_scores, _ = _score(scorer, sampled, tokenizer, options, row_fields)
+        sample_scores, sample_texts = _score(scorer, sampled, tokenizer, options, row_fields)
     finally:
         scorer.close()
 
@@ -211,6 +225,8 @@ def evaluate(
         "response_length": float(lengths.mean()),
         "truncated_frac": float(greedy[K.TRUNCATED].float().mean()),
     }
+    if pairs_out is not None:
+        summary["pairs_written"] = _write_pairs(pairs_out, rows, sample_texts, sample_scores.tolist(), samples)
     per_prompt = [
         {"origin": row["origin"], "ground_truth": row["ground_truth"], "greedy": text,
          "greedy_score": float(score), "samples_correct": c}
@@ -224,6 +240,88 @@ def evaluate(
         "summary": summary,
         "prompts": per_prompt,
     }
+
+
+def evaluate_pairs(graph_file: str, overrides: list[str], model: str | None, limit: int | None) -> dict:
+    """A graph that trains a scalar model on pairs: ``pairwise_accuracy`` (chosen scored above
+    rejected) of its model on every held-out pair, with the pairs' mean scores. ``model``: a
+    saved scalar model directory or the run directory holding one (``RUN_DIR/<model>``);
+    default the graph's source."""
+    import torch
+
+    from hybridflow.algos.preference import pairwise_metrics
+    from hybridflow.controller.preflight import check_model_paths, run_tokenizer
+    from hybridflow.data.datasets import DataError
+    from hybridflow.data.preferences import collate_pairs, load_pair_data, pair_forward_batch, split_pair_scores
+    from hybridflow.engines.models import build_value_model
+    from hybridflow.graph.dag import load_graph
+    from hybridflow.spec.loading import SpecError
+
+    graph = load_graph(graph_file, overrides)
+    spec = graph.spec
+    node = next(n for n in graph.nodes if "pairs" in n.inputs)
+    name, model_spec = node.model, spec.models[node.model]
+    check_model_paths(graph)
+    tokenizer = run_tokenizer(graph)
+    kind = "cost" if model_spec.role == "cost" else "reward"
+    data = spec.data.model_copy(update={"num_val": 10**9})  # every held-out pair
+    try:
+        _, rows = load_pair_data(data, graph.file, kind)
+        rows = rows[:limit] if limit else rows
+        if not rows:
+            raise SpecError(graph.file, "data.val_files", "no held-out pairs to evaluate")
+        pairs = collate_pairs(rows, tokenizer, spec.data.max_prompt_length, spec.data.max_response_length,
+                              system_prompt=spec.data.system_prompt)
+    except DataError as exc:
+        raise SpecError(graph.file, exc.field, str(exc)) from None
+    source = model_spec.source
+    if model is not None:
+        directory = Path(model) / name if (Path(model) / name / "config.json").is_file() else Path(model)
+        if not (directory / "config.json").is_file():
+            raise SpecError(model, "--actor", f"expected a saved scalar model (HF directory with config.json) or a "
+                            f"run directory holding {name}/")
+        source = source.model_copy(update={"config": None, "path": str(directory.resolve()), "gguf": None,
+                                           "package": None})
+    torch.set_num_threads(os.cpu_count() or 1)
+    module = build_value_model(source, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id,
+                               seed=spec.trainer.seed).eval()
+    with torch.no_grad():
+        scores = torch.cat([last_token_scores(module, pair_forward_batch(chunk)) for chunk in pairs.split(64)])
+    chosen, rejected = split_pair_scores(scores)
+    metrics = pairwise_metrics(chosen, rejected)
+    summary = {"pairs": len(rows), "pairwise_accuracy": metrics["rm/accuracy"],
+               "margin_mean": metrics["rm/margin_mean"], "chosen_mean": metrics["rm/chosen_mean"],
+               "rejected_mean": metrics["rm/rejected_mean"]}
+    return {"graph": str(graph_file), "overrides": list(overrides), "model": str(model) if model else "base",
+            "summary": summary}
+
+
+def last_token_scores(module, samples) -> "torch.Tensor":
+    """(N,) a scalar model's output at each sample's last response token, as the score op reads
+    it (``samples``: rollout-shaped, left-padded prompts, right-padded responses)."""
+    from hybridflow.data import keys as K
+
+    out = module(input_ids=samples[K.INPUT_IDS], attention_mask=samples[K.ATTENTION_MASK],
+                 position_ids=samples[K.POSITION_IDS]).logits[..., 0].float()
+    last = samples[K.PROMPT_IDS].shape[1] + samples[K.RESPONSE_MASK].sum(-1) - 1
+    return out.gather(1, last[:, None])[:, 0]
+
+
+def _write_pairs(path: str, rows: list[dict], texts: list[str], scores: list[float], samples: int) -> int:
+    """``pairs_from_samples`` of each prompt's ``samples`` responses, as JSONL at ``path``;
+    returns the number of pairs."""
+    from hybridflow.data.preference_pairs import pairs_from_samples
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with out.open("w", encoding="utf-8") as f:
+        for i, row in enumerate(rows):
+            span = slice(i * samples, (i + 1) * samples)
+            for pair in pairs_from_samples(row["prompt"], texts[span], scores[span]):
+                f.write(json.dumps({key: pair[key] for key in ("prompt", "chosen", "rejected")}) + "\n")
+                count += 1
+    return count
 
 
 def _score(scorer, batch, tokenizer, options, row_fields):

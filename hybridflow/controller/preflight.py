@@ -84,19 +84,20 @@ def resolved_tokenizer_dir(graph: Graph, name: str) -> Path:
 
 
 def run_tokenizer(graph: Graph):
-    """The run's tokenizer: the actor's own (pretrained source), else the built-in task's."""
+    """The run's tokenizer: the actor's own (pretrained source), else the built-in task's. A
+    graph without an actor (it trains scalar models on pairs) takes its first trained model's."""
     from hybridflow.data.tasks import TASKS
 
-    actor = graph.spec.models[graph.actor]
-    if actor.source.is_pretrained:
+    name = graph.actor or next(n.model for n in graph.nodes if graph.op(n).trains)
+    if graph.spec.models[name].source.is_pretrained:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(resolved_tokenizer_dir(graph, graph.actor), local_files_only=True)
+        return AutoTokenizer.from_pretrained(resolved_tokenizer_dir(graph, name), local_files_only=True)
     source = graph.spec.data.source
     task = source.removeprefix("builtin:") if source.startswith("builtin:") else "copy"
     if task not in TASKS:
         raise SpecError(
-            graph.file, f"models.{graph.actor}.source",
+            graph.file, f"models.{name}.source",
             f"data.source {source!r} needs a pretrained actor (path, gguf, package or run) for its "
             "tokenizer; a config-built model has only the character tasks' tokenizers",
         )

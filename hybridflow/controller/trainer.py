@@ -56,6 +56,7 @@ from hybridflow.controller.reaper import mark_run
 from hybridflow.controller.recovery import NanGuard, Recovery, RunStopped
 from hybridflow.controller.run_dir import RunDir
 from hybridflow.data.datasets import DataError, PromptDataset, collate_prompts, load_data
+from hybridflow.data.preferences import PairDataset, collate_pairs, load_pair_data
 from hybridflow.graph.batching import batch_plan
 from hybridflow.graph.dag import SOURCE, Graph
 from hybridflow.hybrid_engine.consistency import RolloutMismatchError
@@ -68,7 +69,8 @@ from hybridflow.workers.group import WorkerGroup
 from hybridflow.workers.model_worker import ModelWorker
 from hybridflow.workers.sharded import ShardedRef
 
-PROGRESS_KEYS = {"reward/mean": "reward", "val/reward/mean": "val", "actor/kl": "kl"}
+PROGRESS_KEYS = {"reward/mean": "reward", "val/reward/mean": "val", "actor/kl": "kl", "rm/accuracy": "acc",
+                 "val/rm/accuracy": "val_acc"}
 log = logging.getLogger(__name__)
 
 
@@ -172,7 +174,10 @@ class Trainer:
                 bar.set_postfix({short: f"{metrics[k]:.3f}" for k, short in PROGRESS_KEYS.items() if k in metrics})
             bar.close()
             if self.spec.trainer.save_final and done == total:
-                self.save_actor(self.run_dir / "actor")
+                if self.graph.actor is not None:
+                    self.save_actor(self.run_dir / "actor")
+                for model in dict.fromkeys(n.model for n in self.pair_nodes()):
+                    self.save_scalar(model, self.run_dir / model)
         finally:
             self.shutdown()
         return self.summary(time.perf_counter() - started)
@@ -232,34 +237,62 @@ class Trainer:
     # -- phases -----------------------------------------------------------------------------
 
     def _setup(self) -> None:
-        spec = self.spec
         # Every user input is checked before anything is written or started.
         check_engines_installed(self.graph)
         check_model_paths(self.graph)
         tokenizer = run_tokenizer(self.graph)
         check_inputs(self.graph, tokenizer)
         try:
-            train_rows, val_rows = load_data(spec.data, self.graph.file)
-            check_score_inputs(self.graph, train_rows + val_rows)
-            self.dataset = PromptDataset(
-                train_rows,
-                tokenizer,
-                spec.data.max_prompt_length,
-                spec.data.prompts_per_iteration,
-                spec.data.shuffle,
-                spec.data.seed,
-                system_prompt=spec.data.system_prompt,
-            )
-            # validation generates on the actor's generation pool, one equal share per rank
-            gen_pool = self.graph.rollout_pools.get(self.graph.actor, self.graph.placement[self.graph.actor])
-            gen_ranks = self.graph.pools[gen_pool].num_devices
-            val_rows = val_rows[: len(val_rows) // gen_ranks * gen_ranks]
-            self.val_prompts = (
-                collate_prompts(val_rows, tokenizer, spec.data.max_prompt_length,
-                                system_prompt=spec.data.system_prompt) if val_rows else None
-            )
+            if self.graph.reads_pairs:
+                self._setup_pairs(tokenizer)
+            else:
+                self._setup_prompts(tokenizer)
         except DataError as exc:
             raise SpecError(self.graph.file, exc.field, str(exc)) from None
+        self._start(tokenizer)
+
+    def _setup_prompts(self, tokenizer) -> None:
+        spec = self.spec
+        train_rows, val_rows = load_data(spec.data, self.graph.file)
+        check_score_inputs(self.graph, train_rows + val_rows)
+        self.dataset = PromptDataset(
+            train_rows,
+            tokenizer,
+            spec.data.max_prompt_length,
+            spec.data.prompts_per_iteration,
+            spec.data.shuffle,
+            spec.data.seed,
+            system_prompt=spec.data.system_prompt,
+        )
+        # validation generates on the actor's generation pool, one equal share per rank
+        gen_pool = self.graph.rollout_pools.get(self.graph.actor, self.graph.placement[self.graph.actor])
+        gen_ranks = self.graph.pools[gen_pool].num_devices
+        val_rows = val_rows[: len(val_rows) // gen_ranks * gen_ranks]
+        self.val_prompts = (
+            collate_prompts(val_rows, tokenizer, spec.data.max_prompt_length,
+                            system_prompt=spec.data.system_prompt) if val_rows else None
+        )
+
+    def _setup_pairs(self, tokenizer) -> None:
+        """Preference pairs (``data.train_files`` first: a bad train row is the first error),
+        of the kind the trained model's role asks for (cost pairs carry safety labels)."""
+        spec = self.spec
+        kind = "cost" if any(spec.models[n.model].role == "cost" for n in self.pair_nodes()) else "reward"
+        train_rows, val_rows = load_pair_data(spec.data, self.graph.file, kind)
+        args = (tokenizer, spec.data.max_prompt_length, spec.data.max_response_length)
+        self.dataset = PairDataset(train_rows, *args, spec.data.prompts_per_iteration, spec.data.shuffle,
+                                   spec.data.seed, system_prompt=spec.data.system_prompt)
+        ranks = max(self.graph.pools[self.graph.placement[n.model]].num_devices for n in self.pair_nodes())
+        val_rows = val_rows[: len(val_rows) // ranks * ranks]
+        self.val_prompts = (
+            collate_pairs(val_rows, *args, system_prompt=spec.data.system_prompt) if val_rows else None
+        )
+
+    def pair_nodes(self) -> list:
+        return [n for n in self.graph.nodes if "pairs" in n.inputs]
+
+    def _start(self, tokenizer) -> None:
+        spec = self.spec
         self.dirs.claim(self.resume)
         if self.resume:
             self.dirs.check_resume(self.graph)
@@ -345,9 +378,18 @@ class Trainer:
         return metrics
 
     def validate(self) -> dict:
-        """Greedy generation on the held-out prompts, scored by the graph's score nodes."""
+        """Greedy generation on the held-out prompts, scored by the graph's score nodes; in a
+        graph of preference pairs, the pair nodes score the held-out pairs without a step
+        (``val/rm/accuracy``)."""
         if self.val_prompts is None:
             return {}
+        if self.graph.reads_pairs:
+            scorers = [
+                replace(n, spec=n.spec.model_copy(update={"options": n.spec.options.model_copy(update={"train": False})}))
+                for n in self.pair_nodes()
+            ]
+            result = run_nodes(self.graph, scorers, self.groups, self._put(self.val_prompts))
+            return {f"val/{k}": v for k, v in result.metrics.items() if k.startswith("rm/")}
         generate = next(n for n in self.graph.nodes if self.graph.op(n).generates)
         options = generate.spec.options.model_copy(update={"greedy": True})  # keeps the rest (env, turns)
         greedy = replace(generate, spec=generate.spec.model_copy(update={"options": options}))
@@ -399,6 +441,11 @@ class Trainer:
         for target in (path, path / "merged"):
             if target.is_dir():
                 shutil.copytree(self.dirs.tokenizer, target, dirs_exist_ok=True)
+
+    def save_scalar(self, model: str, path: Path) -> None:
+        """A reward or cost model as a plain HF scalar model (``engines.scalar_model``)."""
+        group = self.groups[self.graph.placement[model]]
+        ray.get(group.call("save_scalar", model=model, path=str(path.resolve())))
 
     def shutdown(self) -> None:
         if hasattr(self, "logger"):

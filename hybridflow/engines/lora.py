@@ -31,6 +31,9 @@ def _base_name(name: str) -> str | None:
     return name.replace(".base_layer.", ".")
 
 
+SCALAR_HEAD = "score"  # the head of a *ForTokenClassification value model
+
+
 def add_lora(model: nn.Module, lora: LoraSpec, seed: int = 0):
     """Inject PEFT LoRA adapters into ``model`` (in place) and return the ``PeftModel``: only
     the adapters require grad afterwards. peft initialises B = 0, so the adapted model starts
@@ -38,12 +41,22 @@ def add_lora(model: nn.Module, lora: LoraSpec, seed: int = 0):
     was), so that every rank and every run starts from the same adapters."""
     from peft import LoraConfig, get_peft_model
 
+    target, task, extra = lora.target_modules, "CAUSAL_LM", {}
+    if type(model).__name__.endswith("ForTokenClassification"):  # a reward/cost model's value head
+        # The new head trains whole (modules_to_save); adapters go on the backbone only, which
+        # "all-linear" would not ensure: peft leaves out a causal LM's output layer, not this one.
+        head = SCALAR_HEAD
+        task, extra = "TOKEN_CLS", {"modules_to_save": [head]}
+        if target == "all-linear":
+            target = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                             if isinstance(m, nn.Linear) and not name.startswith(head)})
     config = LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
-        task_type="CAUSAL_LM",
+        target_modules=target,
+        task_type=task,
+        **extra,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -76,15 +76,17 @@ class BatchPlan:
         return "\n".join(lines)
 
 
-def _actor(spec: GraphSpec) -> str:
-    return next(name for name, m in spec.models.items() if m.role == "actor")
+def _samples_per_prompt(spec: GraphSpec) -> int:
+    """``rollout.n`` of the actor; 1 for a graph without one (it trains scalar models on pairs)."""
+    actor = next((name for name, m in spec.models.items() if m.role == "actor"), None)
+    rollout = spec.models[actor].rollout if actor is not None else None
+    return rollout.n if rollout is not None else 1
 
 
 def _batch_problem(spec: GraphSpec, prompts: int, dp_of: Mapping[str, int]) -> tuple[str, str] | None:
     """``(field, message)`` of the first batch size that does not divide over the data-parallel
     ranks ``dp_of`` (model -> dp) at ``prompts`` prompts per iteration; None when all divide."""
-    rollout = spec.models[_actor(spec)].rollout
-    n = rollout.n if rollout is not None else 1
+    n = _samples_per_prompt(spec)
     for model in dict.fromkeys(node.model for node in spec.nodes):
         dp = dp_of[model]
         if prompts % dp:
@@ -122,8 +124,7 @@ def batch_plan(spec: GraphSpec, layouts: dict[str, ParallelLayout], file: str) -
     problem = _batch_problem(spec, prompts, {m: layout.dp for m, layout in layouts.items()})
     if problem is not None:
         raise SpecError(file, *problem)
-    rollout = spec.models[_actor(spec)].rollout
-    n = rollout.n if rollout is not None else 1
+    n = _samples_per_prompt(spec)
     updates = []
     for node in spec.nodes:
         if not isinstance(node.options, UpdateOptions):

@@ -108,8 +108,14 @@ class Graph:
         return [m for m, p in self.placement.items() if p == pool]
 
     @property
-    def actor(self) -> str:
-        return next(name for name, m in self.spec.models.items() if m.role == "actor")
+    def actor(self) -> str | None:
+        """The actor; None in a graph that reads preference pairs (it trains scalar models)."""
+        return next((name for name, m in self.spec.models.items() if m.role == "actor"), None)
+
+    @property
+    def reads_pairs(self) -> bool:
+        """Whether the graph's data are preference pairs (``data.train_files`` of pair rows)."""
+        return any(key == "pairs" for node in self.nodes for key in node.inputs)
 
     def reads_rollout_log_probs(self, model: str) -> bool:
         """Whether an update of ``model`` reads every sample's ``rollout_log_probs`` (rollout
@@ -164,6 +170,8 @@ class Graph:
         """
         spec = self.spec.models[model]
         actor = self.actor
+        if actor is None:
+            return None
         actor_spec = self.spec.models[actor]
         if (
             spec.role == "ref"
@@ -515,17 +523,27 @@ def _check_generation_layout(rollout, train: ParallelLayout, file: str, field: s
         )
 
 
+LORA_ROLES = ("actor", "reward", "cost")  # a reward or cost model trained on pairs may be LoRA
+
+
 def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node], nx.DiGraph]:
     """A spec's nodes (keys resolved, in a topological order) and its DAG, validated as far as
     they go without a pool file."""
-    if not any(m.role == "actor" for m in spec.models.values()):
-        raise SpecError(file, "models", "a graph needs one model with role actor")
+    reads_pairs = any(
+        "pairs" in (node.inputs if node.inputs is not None else OPS[node.op].default_inputs(
+            spec.models[node.model].role if node.model in spec.models else "*"))
+        for node in spec.nodes if node.op in OPS
+    )
     actors = [n for n, m in spec.models.items() if m.role == "actor"]
+    if not actors and not reads_pairs:
+        raise SpecError(file, "models", "a graph needs one model with role actor (or a node reading "
+                        "preference pairs, which trains a reward or cost model)")
     if len(actors) > 1:
         raise SpecError(file, "models", f"one actor per graph, found {actors}")
     for name, model in spec.models.items():
-        if model.train.adapters is not None and model.role != "actor":
-            raise SpecError(file, f"models.{name}.train.lora", f"LoRA is for the actor (role is {model.role})")
+        if model.train.adapters is not None and model.role not in LORA_ROLES:
+            raise SpecError(file, f"models.{name}.train.lora",
+                            f"LoRA is for the actor and reward or cost models (role is {model.role})")
         if model.train.adapters is not None and model.rollout is not None and not caps_of(model.rollout).lora:
             able = " or ".join(engines_with("rollout", "lora"))
             raise SpecError(file, f"models.{name}.rollout.engine",
@@ -539,6 +557,16 @@ def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node
             "(dynamic sampling) re-runs it inside the iteration: use mode sync",
         )
     dag = _build_dag(nodes, file)
+    readers = {key: [n.name for n in nodes if key in n.inputs] for key in ("prompts", "pairs")}
+    if readers["prompts"] and readers["pairs"]:
+        raise SpecError(file, "nodes", f"nodes {readers['prompts']} read prompts and {readers['pairs']} "
+                        "preference pairs; a graph's data are one or the other")
+    for i, node in enumerate(nodes):
+        train = spec.models[node.model].train
+        if "pairs" in node.inputs and (train.micro_batch_size % 2 or getattr(train, "micro_batch_tokens", None)):
+            raise SpecError(file, f"models.{node.model}.train.micro_batch_size",
+                            f"node {node.name!r} trains on pairs, two rows each (chosen, rejected): a micro-batch "
+                            f"must hold whole pairs, expected an even micro_batch_size and no micro_batch_tokens")
     _route_through_filters(nodes, dag, file)
     nodes = [_fill_slots(node, file, f"nodes[{i}]") for i, node in enumerate(nodes)]
     _check_samples_per_prompt(spec, nodes, dag, file)

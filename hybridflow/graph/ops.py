@@ -34,6 +34,7 @@ from hybridflow.spec.graph import (
     MultiTurnOptions,
     NodeBase,
     NoOptions,
+    PairUpdateOptions,
     ScoreOptions,
     Spec,
     UpdateOptions,
@@ -137,7 +138,13 @@ VALUE_KEYS = ("values", "cost_values")
 ADVANTAGE_KEYS = ("advantages", "cost_advantages")
 
 # What the data source writes before any node runs.
-SOURCE_WRITES = {"prompts": (K.PROMPT_IDS, K.PROMPT_MASK, K.UID, K.PROMPT_TEXT, K.GROUND_TRUTH, K.DATA_SOURCE, K.EXTRA_INFO)}
+SOURCE_WRITES = {
+    "prompts": (K.PROMPT_IDS, K.PROMPT_MASK, K.UID, K.PROMPT_TEXT, K.GROUND_TRUTH, K.DATA_SOURCE, K.EXTRA_INFO),
+    # Preference pairs (``hybridflow.data.preferences``): a graph reads prompts or pairs, and a
+    # graph that reads pairs trains scalar models and has no actor. Safety signs: cost pairs.
+    "pairs": (K.PROMPT_IDS, K.PROMPT_MASK, K.UID, K.PROMPT_TEXT, K.CHOSEN_IDS, K.CHOSEN_MASK, K.REJECTED_IDS,
+              K.REJECTED_MASK, K.PAIR_MARGIN, K.CHOSEN_SAFETY_SIGN, K.REJECTED_SAFETY_SIGN),
+}
 _ROLLOUT = (K.RESPONSES, K.RESPONSE_MASK, K.INPUT_IDS, K.ATTENTION_MASK, K.POSITION_IDS, K.TRUNCATED)
 
 OPS: dict[str, Op] = {}
@@ -310,4 +317,16 @@ register_op(Op(
         "values": Slot("values key", VALUE_KEYS, roles=frozenset({"critic"})),
         "advantages": Slot("advantage key", ADVANTAGE_KEYS, roles=frozenset({"critic"})),
     },
+))
+# A reward or cost model trained on preference pairs (the graph's data are pair files): one
+# forward over chosen and rejected together, a PAIR_LOSSES loss. Scores too: validation runs it
+# with ``train: false`` on the held-out pairs (val/rm/accuracy), as does ``hybridflow eval``.
+register_op(Op(
+    "pair_update",
+    roles=frozenset({"reward", "cost"}),
+    options=PairUpdateOptions,
+    body="hybridflow.workers.ops.preference:pair_update",
+    trains=True,
+    inputs={"*": ("pairs",)},
+    outputs={"*": ()},
 ))

@@ -363,16 +363,16 @@ def plan_graph(graph, model_size_name: str | None = None) -> PlanGraph:
             state_sharding=_state_sharding(caps_of(m.train), model_size_name),
             flexible_generation=m.rollout is not None and (caps_of(m.rollout).generation_tp or model_size_name is not None),
         )
-    actor = spec.models[graph.actor]
+    actor = spec.models[graph.actor] if graph.actor is not None else None
     updates = [n for n in graph.nodes if graph.op(n).trains]
     workload = Workload(
         num_prompts=spec.data.prompts_per_iteration,
-        samples_per_prompt=actor.rollout.n if actor.rollout else 1,
+        samples_per_prompt=actor.rollout.n if actor is not None and actor.rollout else 1,
         prompt_len=spec.data.max_prompt_length,
         response_len=spec.data.max_response_length,
         epochs=max((n.spec.options.epochs for n in updates), default=1),
         updates_per_epoch=max((n.spec.options.mini_batches for n in updates), default=1),
-        micro_batch=1 if model_size_name else actor.train.micro_batch_size,
+        micro_batch=1 if model_size_name or actor is None else actor.train.micro_batch_size,
     )
     return PlanGraph(models, _op_nodes(graph.nodes, graph.dag), workload)
 

@@ -450,6 +450,18 @@ class ScoreOptions(Spec):
     )
     overlong_penalty: float = Field(1.0, ge=0, description="Largest overlong punishment.")
 
+    normalize: bool = Field(
+        False,
+        description="A learned reward or cost model's scores: (score - running mean) / running "
+        "std, over every score the node has given (OpenRLHF's normalize_reward); kept in "
+        "checkpoints. The raw mean is logged as reward/raw_mean (cost/...).",
+    )
+    log_prefix: str | None = Field(
+        None,
+        description="A score node with no outputs only logs (a rule scored beside a learned "
+        "reward, which nothing trains on): its mean as <log_prefix>/<role>_mean, e.g. "
+        "rule/reward_mean; default prefix: the node's name.",
+    )
     on_error: Literal["fail", "default"] = Field(
         "fail", description="'fail' stops the run; 'default' gives the sample default_reward "
         "and counts it (reward/num_errors)."
@@ -655,6 +667,38 @@ class UpdateOptions(Spec):
     @classmethod
     def _known_loss_agg(cls, name: str) -> str:
         return _registered("LOSS_AGGS", name)
+
+
+class PairUpdateOptions(Spec):
+    """A scalar model (reward or cost) trained on preference pairs: the graph's data are
+    ``data.train_files`` / ``data.val_files`` of pair rows (``hybridflow.data.preferences``),
+    ``data.prompts_per_iteration`` pairs per iteration."""
+
+    loss: str = Field(
+        "bradley_terry",
+        description="Registered pairwise loss: bradley_terry (-log sigmoid(chosen - rejected - "
+        "margin)) or safe_rlhf_cost (bradley_terry on costs plus Safe-RLHF's sign term from the "
+        "rows' safety labels; needs PKU-SafeRLHF rows).",
+    )
+    margin: float = Field(
+        0.0, description="Margin the chosen score must exceed the rejected one by, added to a "
+        "row's own margin column."
+    )
+    center_coef: float = Field(
+        0.0, ge=0, description="Weight of the reward-centring term (chosen + rejected)^2 "
+        "(TRL's center_rewards_coefficient); 0 = off."
+    )
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per iteration's pairs.")
+    epochs: int = Field(1, ge=1, description="Passes over the iteration's pairs.")
+    train: bool = Field(
+        True, description="False: score the pairs and report rm/accuracy without a step "
+        "(validation and `hybridflow eval` run the node so)."
+    )
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        return _registered("PAIR_LOSSES", v)
 
 
 class SafetyOptions(Spec):

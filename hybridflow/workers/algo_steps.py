@@ -39,11 +39,12 @@ from hybridflow.algos import (
     safe_rlhf_advantage,
 )
 from hybridflow.algos.losses import ReduceSum
+from hybridflow.algos.running_moments import RunningMoments
 from hybridflow.data import keys as K
 from hybridflow.data.batch import place_sequence_reward
 from hybridflow.graph.dag import Node
 from hybridflow.graph.ops import graph_keys
-from hybridflow.spec.graph import AdvantageOptions, GraphSpec, UpdateOptions
+from hybridflow.spec.graph import AdvantageOptions, GraphSpec, ScoreOptions, UpdateOptions
 
 
 def _fields(node: Node, slot: str) -> tuple[str, ...] | None:
@@ -70,7 +71,8 @@ def build_controllers(spec: GraphSpec, models: list[str]) -> dict[str, Any]:
     """The state the algorithm keeps across iterations, for the nodes these workers run.
 
     ``kl_ctrl/<node>``: KL-in-reward coefficient of an advantage node with ``kl_coef > 0``;
-    ``lagrange/<node>``: the Lagrange multiplier of a Safe-RLHF actor update. Each object has
+    ``lagrange/<node>``: the Lagrange multiplier of a Safe-RLHF actor update;
+    ``score_moments/<node>``: the running moments a score node normalises by. Each object has
     ``state_dict``/``load_state_dict`` (the worker checkpoints them).
     """
     state: dict[str, Any] = {}
@@ -85,6 +87,8 @@ def build_controllers(spec: GraphSpec, models: list[str]) -> dict[str, Any]:
                 state[f"kl_ctrl/{node.name}"] = AdaptiveKLController(
                     opts.kl_coef, opts.kl_target, opts.kl_horizon
                 )
+        if isinstance(opts, ScoreOptions) and opts.normalize:
+            state[f"score_moments/{node.name}"] = RunningMoments()
         if isinstance(opts, UpdateOptions) and opts.safety is not None:
             safety = opts.safety
             state[f"lagrange/{node.name}"] = LagrangeMultiplier(

@@ -57,7 +57,8 @@ class WorkerContext:
 
     def temperature(self) -> float:
         """The actor's sampling temperature: forwards score the responses under it."""
-        rollout = self.spec.models[self.graph.actor].rollout
+        actor = self.graph.actor
+        rollout = self.spec.models[actor].rollout if actor is not None else None
         return rollout.temperature if rollout is not None else 1.0
 
     def trained_engines(self) -> dict[str, TrainEngine]:

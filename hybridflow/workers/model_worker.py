@@ -162,6 +162,18 @@ class ModelWorker(Worker):
         self.colocation.activate(model)
         self.train_engines[model].save_hf(path)
 
+    @register(Dispatch.ONE_TO_ALL)
+    def save_scalar(self, *, model: str, path: str) -> None:
+        """Save a reward/cost model as a plain HF scalar model (``engines.scalar_model``; LoRA
+        merged), with the run's tokenizer: rank 0 of its data-parallel group writes it."""
+        from hybridflow.engines.scalar_model import save_scalar_model
+
+        self.colocation.activate(model)
+        engine = self.train_engines[model]
+        if getattr(engine, "dp_rank", 0) == 0:
+            module = getattr(engine, "peft", None) or engine.module
+            save_scalar_model(module, path, self.ctx.tokenizer, role=self.spec.models[model].role)
+
     # -- checkpoints ----------------------------------------------------------------------------
 
     @register(Dispatch.ONE_TO_ALL)

@@ -11,17 +11,22 @@ from hybridflow.graph.dag import Node
 from hybridflow.rewards.ending import apply_ending_rule, scorer_options
 from hybridflow.rewards.overlong import overlong_penalty
 from hybridflow.rewards.remote import row_fields
+from hybridflow.workers.algo_steps import dp_sum
 from hybridflow.workers.context import WorkerContext
 from hybridflow.workers.ops.samples import logged_samples
 
 
 def score(ctx: WorkerContext, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
-    model, output_key = node.model, node.outputs[0]
+    model = node.model
+    output_key = node.outputs[0] if node.outputs else None  # None: the node only logs
     spec = ctx.spec
     # "reward" / "cost"; a second score of the same model (ReMax's baseline) by its key
     role = spec.models[model].role
-    prefix = role if output_key in (K.SCORES, K.COSTS) else output_key
     opts = node.spec.options  # ScoreOptions
+    if output_key is None:
+        prefix = f"{opts.log_prefix or node.name}/{role}"
+    else:
+        prefix = role if output_key in (K.SCORES, K.COSTS) else output_key
     fields, metrics, sums = {}, {}, {}
     if model in ctx.rules:
         responses = ctx.tokenizer.batch_decode(
@@ -45,6 +50,11 @@ def score(ctx: WorkerContext, batch: TensorDict, node: Node) -> tuple[TensorDict
             sums[f"{prefix}/num_retries"] = float(scored.num_retries)
     else:
         scores = ctx.train_engines[model].forward(batch)["last_values"]
+        moments = ctx.extra_state.get(f"score_moments/{node.name}")
+        if moments is not None:  # options.normalize
+            metrics[f"{prefix}/raw_mean"] = float(scores.mean())
+            moments.update(scores, dp_sum(ctx.dp_group(model)))
+            scores = moments.normalize(scores)
     scores, unfinished = apply_ending_rule(scores, batch, ctx.tokenizer, opts, role)
     metrics[f"{prefix}/unfinished_frac"] = float(unfinished.float().mean())
     if opts.overlong_buffer is not None:
@@ -52,9 +62,13 @@ def score(ctx: WorkerContext, batch: TensorDict, node: Node) -> tuple[TensorDict
         penalty = overlong_penalty(lengths, spec.data.max_response_length, opts.overlong_buffer, opts.overlong_penalty)
         scores = scores - penalty
         metrics[f"{prefix}/overlong_penalty/mean"] = float(penalty.mean())
-    result = TensorDict(
-        {output_key: scores, K.TOKEN_REWARDS: place_sequence_reward(scores, batch[K.RESPONSE_MASK]), **fields},
-        batch_size=batch.batch_size,
-    )
+    if output_key is None:
+        result = TensorDict({}, batch_size=batch.batch_size)
+        metrics[f"{prefix}_mean"] = float(scores.mean())  # e.g. rule/reward_mean
+    else:
+        result = TensorDict(
+            {output_key: scores, K.TOKEN_REWARDS: place_sequence_reward(scores, batch[K.RESPONSE_MASK]), **fields},
+            batch_size=batch.batch_size,
+        )
     metrics.update({f"{prefix}/mean": float(scores.mean()), f"{prefix}/sq_mean": float((scores**2).mean())})
     return result, {"metrics": metrics, "sums": sums, "samples": logged_samples(ctx, batch, scores, prefix)}

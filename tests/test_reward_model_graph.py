@@ -1,0 +1,209 @@
+"""Training a scalar model is a graph: ``pair_update`` on a reward or cost model reading
+preference pairs (graphs/reward_model.yaml, graphs/cost_model.yaml), the graph checks around
+it, LoRA on a value head, and ``hybridflow eval`` on such a graph."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridflow.cli.main import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def pair_files(tmp_path_factory):
+    """Copy-task pairs written by the shipped command: reward and cost, train and held-out."""
+    from hybridflow.data.preference_pairs import main as write_pairs
+
+    tmp = tmp_path_factory.mktemp("pairs")
+    write_pairs(["--out", str(tmp / "train.jsonl"), "--val-out", str(tmp / "val.jsonl"),
+                 "--num-train", "200", "--num-val", "40"])
+    write_pairs(["--kind", "cost", "--out", str(tmp / "ctrain.jsonl"), "--val-out", str(tmp / "cval.jsonl"),
+                 "--num-train", "200", "--num-val", "40"])
+    return tmp
+
+
+def _pair_overrides(files: Path, cost: bool = False) -> list[str]:
+    prefix = "c" if cost else ""
+    return [f"data.train_files={files / (prefix + 'train.jsonl')}", f"data.val_files={files / (prefix + 'val.jsonl')}"]
+
+
+@pytest.mark.parametrize("graph", ["graphs/reward_model.yaml", "graphs/cost_model.yaml",
+                                   "graphs/grpo_learned_reward.yaml", "graphs/safe_rlhf_learned.yaml"])
+def test_learned_reward_graphs_validate(graph, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["validate", graph]) == 0
+
+
+def test_a_graph_without_actor_or_pairs_is_refused(tmp_path, capsys):
+    graph = tmp_path / "g.yaml"
+    graph.write_text(
+        "name: g\nmodels:\n  reward: {role: reward, source: {config: {hidden_size: 16}}}\n"
+        "nodes:\n  - {name: v, op: score, model: reward}\n"
+    )
+    assert main(["validate", str(graph)]) == 2
+    assert "models: a graph needs one model with role actor" in capsys.readouterr().err
+
+
+def test_pairs_and_prompts_in_one_graph_are_refused(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    monkeypatch.chdir(ROOT)
+    raw = yaml.safe_load((ROOT / "graphs" / "grpo.yaml").read_text())
+    raw["models"]["rm"] = {"role": "reward", "source": {"config": {"hidden_size": 16}}}
+    raw["placement"]["rm"] = "default"
+    raw["nodes"].append({"name": "rm", "op": "pair_update", "model": "rm", "inputs": ["pairs"]})
+    graph = tmp_path / "mixed.yaml"
+    graph.write_text(yaml.safe_dump(raw))
+    assert main(["validate", str(graph)]) == 2
+    assert "read prompts and ['rm'] preference pairs" in capsys.readouterr().err
+
+
+def test_a_bad_train_row_is_the_first_error_exit_2(pair_files, tmp_path, monkeypatch, capsys):
+    """The train file is read and checked before any worker starts, and before the val file."""
+    monkeypatch.chdir(ROOT)
+    bad = tmp_path / "BAD.jsonl"
+    bad.write_text(json.dumps({"prompt": "ab=", "chosen": "ab", "rejected": "ab"}) + "\n")
+    run_dir = tmp_path / "run"
+    code = main(["run", "graphs/reward_model.yaml", f"data.train_files={bad}", "data.val_files=missing.jsonl",
+                 "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == (f"error: graphs/reward_model.yaml: data.train_files: {bad}:1: rejected: the same as chosen; "
+                   "expected two different responses\n")
+    assert not run_dir.exists()
+
+
+def test_cost_graph_refuses_reward_rows(pair_files, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    code = main(["run", "graphs/cost_model.yaml", *_pair_overrides(pair_files), "--run-dir", str(tmp_path / "r")])
+    assert code == 2
+    assert "1: safer_response_id: missing; cost pairs need PKU-SafeRLHF rows" in capsys.readouterr().err
+
+
+def test_lora_on_a_value_head_trains_the_head_and_saves_a_plain_model(tmp_path):
+    from transformers import AutoModelForTokenClassification
+
+    from hybridflow.data.tasks import get_task
+    from hybridflow.engines.lora import add_lora
+    from hybridflow.engines.models import build_value_model
+    from hybridflow.engines.scalar_model import save_scalar_model
+    from hybridflow.spec.graph import LoraSpec, ModelSource
+
+    tokenizer = get_task("copy").tokenizer()
+    model = build_value_model(ModelSource(config={"hidden_size": 32, "num_hidden_layers": 1}), len(tokenizer),
+                              tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0)
+    peft = add_lora(model, LoraSpec(rank=4))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("score" in n for n in trainable), "the new head must train"
+    assert any("lora_A" in n for n in trainable)
+    assert not any("lora" in n and "score" in n for n in trainable), "no adapter on the head itself"
+    ids = torch.tensor([[3, 4, 5, 6]])
+    model(input_ids=ids).logits[0, -1, 0].backward()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0).step()
+    with torch.no_grad():
+        expected = peft(input_ids=ids).logits[0, -1, 0]
+    save_scalar_model(peft, tmp_path / "rm", tokenizer)
+    plain = AutoModelForTokenClassification.from_pretrained(tmp_path / "rm").eval()
+    with torch.no_grad():
+        assert torch.allclose(plain(input_ids=ids).logits[0, -1, 0], expected, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_reward_model_graph_learns_saves_and_evals(pair_files, ray_session, tmp_path, monkeypatch, capsys):
+    """A short run of graphs/reward_model.yaml: training and held-out accuracy are logged, the
+    model is saved as a plain HF scalar model, and `hybridflow eval` reads it back."""
+    from hybridflow.controller.trainer import Trainer
+    from hybridflow.graph.dag import load_graph
+
+    monkeypatch.chdir(ROOT)
+    overrides = [*_pair_overrides(pair_files), "trainer.iterations=40", "trainer.val_interval=20",
+                 "data.num_val=40"]
+    graph = load_graph("graphs/reward_model.yaml", overrides)
+    trainer = Trainer(graph, run_dir=str(tmp_path / "run"), verbose=False)
+    trainer.fit()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("rm/accuracy" in r and "rm/margin_mean" in r and "rm/chosen_mean" in r and "rm/rejected_mean" in r
+               for r in rows)
+    vals = [r["val/rm/accuracy"] for r in rows if "val/rm/accuracy" in r]
+    assert len(vals) == 2
+    # 40 steps of 32 pairs: well above chance on the held-out pairs (800 steps reach 0.9)
+    assert vals[-1] >= 0.7, vals
+    saved = tmp_path / "run" / "reward"
+    assert (saved / "config.json").is_file() and (saved / "tokenizer_config.json").is_file()
+
+    capsys.readouterr()
+    out_file = tmp_path / "eval.json"
+    assert main(["eval", "graphs/reward_model.yaml", *overrides, "--actor", str(tmp_path / "run"),
+                 "--json", str(out_file)]) == 0
+    printed = capsys.readouterr().out
+    assert "pairwise_accuracy" in printed
+    summary = json.loads(out_file.read_text())["summary"]
+    assert summary["pairs"] == 40
+    # the same model, pairs and score reading as the run's last validation
+    assert summary["pairwise_accuracy"] == pytest.approx(vals[-1])
+
+
+def test_eval_pairs_out_writes_ranked_pairs_a_pair_graph_reads(tmp_path, monkeypatch, capsys):
+    """Pairs from the base actor's own samples, ranked by grpo.yaml's rule: each chosen scored
+    above its rejected, and the file loads as the train files of graphs/reward_model.yaml."""
+    from hybridflow.data.preferences import read_pairs
+    from hybridflow.data.tasks import copy_reward
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "pairs.jsonl"
+    assert main(["eval", "graphs/grpo.yaml", "--limit", "6", "--k", "8", "--pairs-out", str(out)]) == 0
+    assert "pairs_written" in capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows, "an untrained actor's 8 samples differ in score for some prompt"
+    for row in rows:
+        assert set(row) == {"prompt", "chosen", "rejected"}
+        truth = row["prompt"].rstrip("=")
+        assert copy_reward(row["prompt"], row["chosen"], truth) > copy_reward(row["prompt"], row["rejected"], truth)
+    assert len(read_pairs(str(out))) == len(rows)
+
+
+def test_score_node_normalizes_a_learned_score_and_logs_only_without_outputs(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    from hybridflow.algos.running_moments import RunningMoments
+    from hybridflow.data import keys as K
+    from hybridflow.data.tasks import get_task
+    from hybridflow.spec.graph import ScoreOptions
+    from hybridflow.workers.ops.score import score
+    from tensordict import TensorDict
+
+    tok = get_task("copy").tokenizer()
+    raw = torch.tensor([1.0, 3.0, 5.0, 7.0])
+    batch = TensorDict({K.RESPONSES: torch.tensor([[3, tok.eos_token_id]] * 4),
+                        K.RESPONSE_MASK: torch.ones(4, 2, dtype=torch.long)}, batch_size=[4])
+    engine = NS(forward=lambda b: {"last_values": raw.clone()}, dp_group=None)
+    spec = NS(models={"rm": NS(role="reward", source=NS(remote=None))}, data=NS(max_response_length=8))
+    moments = RunningMoments()
+    ctx = NS(spec=spec, rules={}, train_engines={"rm": engine}, tokenizer=tok, dp_group=lambda m: None,
+             extra_state={"score_moments/reward": moments})
+
+    def node(name, outputs, **opts):
+        return NS(name=name, model="rm", outputs=outputs, spec=NS(options=ScoreOptions(**opts)))
+
+    import hybridflow.workers.ops.score as score_module
+
+    monkeypatch.setattr(score_module, "logged_samples", lambda *a, **k: [])  # sample rows: another test's
+    out, meta = score(ctx, batch, node("reward", ("scores",), normalize=True))
+    expected = (raw - raw.mean()) / raw.std()
+    assert torch.allclose(out["scores"], expected)
+    assert meta["metrics"]["reward/raw_mean"] == pytest.approx(4.0)
+    out, meta = score(ctx, batch, node("rule", (), log_prefix="rule"))
+    assert list(out.keys()) == []
+    assert meta["metrics"]["rule/reward_mean"] == pytest.approx(4.0)
+
+
+def test_an_odd_micro_batch_of_a_pair_model_is_refused(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    assert main(["validate", "graphs/reward_model.yaml", "models.reward.train.micro_batch_size=3"]) == 2
+    assert "models.reward.train.micro_batch_size: node 'train_reward' trains on pairs" in capsys.readouterr().err
