@@ -310,13 +310,13 @@ def test_distill_needs_both_log_probs_among_the_advantages_inputs(tmp_path):
 def test_plot_x_wall_puts_the_runs_seconds_on_the_x_axis(tmp_path):
     from hybridflow.cli.plot import _series, plot_runs
 
-    rows = [{"iteration": i, "timing/iteration": 2.0, "time/wall_s": 5.0 + 2 * i, "reward/mean": 0.1 * i,
+    rows = [{"iteration": i, "timing/iteration": 2.0, "timing/wall_s": 5.0 + 2 * i, "reward/mean": 0.1 * i,
              **({"val/reward/mean": 0.2} if i % 2 == 0 else {})} for i in range(1, 5)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert _series(rows, "val/reward/mean", "wall") == ([9.0, 13.0], [0.2, 0.2])
     assert _series(rows, "val/reward/mean") == ([2, 4], [0.2, 0.2])
-    # a run logged before time/wall_s: the sum of its iterations' times
-    old = [{k: v for k, v in r.items() if k != "time/wall_s"} for r in rows]
+    # a run logged before timing/wall_s: the sum of its iterations' times
+    old = [{k: v for k, v in r.items() if k != "timing/wall_s"} for r in rows]
     assert _series(old, "reward/mean", "wall")[0] == [2.0, 4.0, 6.0, 8.0]
     out = plot_runs([tmp_path], tmp_path / "wall.png", x="wall")
     assert out.stat().st_size > 0

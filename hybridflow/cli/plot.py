@@ -5,7 +5,7 @@ entropy, mean response length, and the wall time of every node. Several run dire
 in one figure (one colour per run) to compare them. Reads only ``metrics.jsonl``.
 
 ``--x wall`` puts wall-clock seconds since the run's first iteration began on the x axis
-instead of the iteration (``time/wall_s``; rows of runs logged before that metric existed fall
+instead of the iteration (``timing/wall_s``; rows of runs logged before that metric existed fall
 back to the sum of ``timing/iteration`` so far, which leaves out validation): two algorithms
 compared by what they cost, not by their step counts.
 """
@@ -25,7 +25,7 @@ PANELS = [
     ("response length", [("response_length/mean", "-", "")]),
 ]
 NODE_STYLES = ["-", "--", ":", "-."]
-SKIPPED_TIMINGS = ("timing/iteration",)
+SKIPPED_TIMINGS = ("timing/iteration", "timing/wall_s")  # whole-iteration and run clocks, not nodes
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -63,7 +63,7 @@ def _x_values(rows: list[dict], x: str) -> list[float]:
     xs, elapsed = [], 0.0
     for row in rows:
         elapsed += float(row.get("timing/iteration", 0.0))
-        xs.append(float(row.get("time/wall_s", elapsed)))
+        xs.append(float(row.get("timing/wall_s", elapsed)))
     return xs
 
 

@@ -228,7 +228,7 @@ class Trainer:
         # What a comparison of two algorithms' cost plots against (`hybridflow plot --x wall`):
         # from the end of setup, whose time (Ray, workers) follows the machine's load more
         # than the algorithm; validation included.
-        metrics["time/wall_s"] = time.perf_counter() - self.started
+        metrics["timing/wall_s"] = time.perf_counter() - self.started
         self.nan_guard.observe(metrics)
         self.logger.log(metrics, {name: out.metas for name, out in result.outputs.items()})
         self.history.append(metrics)
