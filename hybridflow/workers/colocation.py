@@ -32,12 +32,7 @@ class Colocation:
         self.engines = engines
         self.rollouts = rollouts if rollouts is not None else {}
         self.active: str | None = None
-        # Rollout engines start offloaded, as every iteration ends (the update ran last): each
-        # iteration, the first one too, then makes the same moves, so a resumed run logs the
-        # counts an uninterrupted one does. Not counted: no op asked for it.
-        for rollout in self.rollouts.values():
-            rollout.offload()
-        self.offloaded_rollouts: set[str] = set(self.rollouts)
+        self.offloaded_rollouts: set[str] = set()  # rollout engines start resident
         self._stats = {"activations": 0, "offloads": 0, "bytes_offloaded": 0, "bytes_reloaded": 0,
                        "rollout_offloads": 0, "rollout_reloads": 0}
 

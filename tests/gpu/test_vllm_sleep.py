@@ -39,11 +39,11 @@ def test_colocation_puts_vllm_to_sleep_and_wakes_it():
     params = SamplingParams(max_new_tokens=8, greedy=True)
     before = engine.generate(prompts, params)[K.RESPONSES]
 
+    colocation = Colocation({}, {"actor": engine})
     awake_free = torch.cuda.mem_get_info()[0]
-    colocation = Colocation({}, {"actor": engine})  # rollout engines start offloaded
+    assert colocation.activate("actor", generates=False) == {"rollout_offloads": 1, "rollout_reloads": 0}
     assert engine.asleep
     freed = torch.cuda.mem_get_info()[0] - awake_free
-    assert colocation.activate("actor", generates=False) == {"rollout_offloads": 0, "rollout_reloads": 0}
     assert freed > 0, "sleep(level=1) freed no device memory"
     with pytest.raises(RuntimeError, match="offloaded"):
         engine.generate(prompts, params)
