@@ -196,7 +196,10 @@ def test_plugin_rollout_engine_runs_a_graph(ray_session, tmp_path):
                        w.spec.models["actor"].rollout.label))))
 
     trainer.callbacks.append(probe)
-    trainer.fit()
+    try:
+        trainer.fit()
+    finally:  # the registry is process-wide: later tests list the built-in engines only
+        unregister_engine("rollout", "counting")
     assert seen == [("CountingRollout", 1, "mine"), ("CountingRollout", 2, "mine")]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["colocation/rollout_offloads"] for r in rows] == [r["colocation/rollout_offloads"] for r in rows[:1]] * 2
