@@ -71,17 +71,36 @@ class FaultyWorker(ModelWorker):
         self.ctx.sync_rollout = skipping
 
     @register(Dispatch.ONE_TO_ALL)
-    def inject_step_delay(self, *, model: str, seconds: float) -> None:
+    def inject_step_delay(self, *, model: str, seconds: float, hold_for_weights: bool = False) -> None:
         """With partial rollouts, every decoding step of ``model``'s generations takes
-        ``seconds`` longer, so that updates finish while a generation is in flight."""
-        take = self.ctx.staged.take
+        ``seconds`` longer, so that updates finish while a generation is in flight.
+        ``hold_for_weights``: from the second generation on, its second decoding step also
+        waits (up to a minute) until new weights are staged, so a load mid-generation does
+        not depend on how fast the update ran."""
+        staged = self.ctx.staged
+        updates = staged.updates
+        generations = {"count": 0}
 
-        def slow_take(name: str):
-            if name == model:
+        def slow_updates(name: str, mode: str, versions: list[int]):
+            weight_updates = updates(name, mode, versions)
+            if name != model:
+                return weight_updates
+            generations["count"] += 1
+            poll, polls = weight_updates.poll, {"count": 0}
+
+            def slow_poll():
                 time.sleep(seconds)
-            return take(name)
+                polls["count"] += 1
+                if hold_for_weights and generations["count"] >= 2 and polls["count"] == 2:
+                    deadline = time.monotonic() + 60.0
+                    while time.monotonic() < deadline and model not in staged._staged:
+                        time.sleep(0.02)
+                return poll()
 
-        self.ctx.staged.take = slow_take
+            weight_updates.poll = slow_poll
+            return weight_updates
+
+        staged.updates = slow_updates
 
 
 class FaultyTrainer(Trainer):

@@ -186,9 +186,9 @@ def test_ahead_generation_keeps_k_batches_queued_and_reports_the_oldest_position
 @pytest.mark.slow
 def test_streaming_with_partial_rollouts_resumes_generations_on_new_weights(ray_session, tmp_path):
     """Streaming K = 2 with the vLLM rollout on its own pool and partial_rollout=abort, weights
-    sent in 0.1 MiB buckets; decoding slowed to 0.2 s a step (up to 1.6 s a generation against
-    well under a second for an update), so each update's weights reach the rollout pool while
-    the next generation is in flight:
+    sent in 0.1 MiB buckets; decoding slowed to 0.2 s a step, and from the second generation on
+    its second step waits for the update's weights to be staged (however slow the update ran),
+    so each update's weights reach the rollout pool while the next generation is in flight:
 
     - they load on the rollout pool's side thread during the generation: from iteration 2 on
       the samples still running then are resumed (rollout/partial_resumed > 0) and their last
@@ -211,7 +211,8 @@ def test_streaming_with_partial_rollouts_resumes_generations_on_new_weights(ray_
     class SlowDecoding(FaultyTrainer):
         def _start_groups(self):
             super()._start_groups()
-            ray.get(self.groups["rollout"].call("inject_step_delay", model="actor", seconds=0.2))
+            ray.get(self.groups["rollout"].call("inject_step_delay", model="actor", seconds=0.2,
+                                                        hold_for_weights=True))
 
     SlowDecoding(load_graph(SPLIT, overrides), run_dir=str(tmp_path / "run")).fit()
     rows = _rows(tmp_path / "run")

@@ -132,7 +132,14 @@ class WandbLogger:
         self.run.log(_numeric(record), step=int(record.get("iteration", 0)))
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() returns before wandb's service has written the run's offline file out; it is
+        # complete once the service stops (as at process exit). Stop it now, unless the
+        # process holds another run of the user's, so the run dir is whole when fit() returns.
+        if wandb.run is None:
+            wandb.teardown()
 
 
 # MLflow metric names: letters, digits, and _ - . / and space (anything else is replaced by _).
