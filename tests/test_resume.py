@@ -75,6 +75,9 @@ def test_stop_at_3_cut_the_last_row_and_resume_equals_uninterrupted(uninterrupte
     assert "val/reward/mean" in full[2] and "val/reward/mean" in split[4]
     for a, b in zip([row for row in full if row["iteration"] != 3], split):
         assert non_timing(a) == non_timing(b), a["iteration"]
+    # the run clock goes on from the rows kept, in the resumed process too
+    wall = [r["timing/wall_s"] for r in split]
+    assert wall == sorted(wall) and wall[2] > wall[1], wall
     # iterations 4-6 learned something: the metrics are not trivially constant
     assert len({r["reward/mean"] for r in split}) > 1
     assert [p.name for p in complete_checkpoints(tmp_path / "split")] == ["iter_00000003", "iter_00000006"]

@@ -155,6 +155,8 @@ class Trainer:
             if self.resume and resume_from is None:
                 log.warning("--resume: %s has no complete checkpoint; starting from the beginning", self.run_dir)
             done = self._restore(resume_from, rewind=self.resume)
+            if self.resume and self.history:  # the run clock goes on from the rows kept
+                self.started -= float(self.history[-1].get("timing/wall_s", 0.0))
             # Redraws of a bar are noise in a log file or a pipe: there the console logger's
             # line every log_interval iterations is the progress.
             shown = self.spec.trainer.progress and sys.stdout.isatty() and sys.stderr.isatty()
