@@ -292,6 +292,15 @@ class RolloutSpec(Spec):
         "(mean absolute difference); null = only report. Checked in trainer.async.mode sync "
         "only (off-policy modes sample from older weights by design).",
     )
+    verify_sync: Literal["every", "off"] = Field(
+        "every",
+        description="After every weight sync into the rollout engine (full weights, resharded "
+        "megatron weights, LoRA adapters, merged, a rollout pool), the rollout engine and the "
+        "trainer each compute the log-probs of a fixed probe sequence; a difference past the "
+        "bound of the model's dtype stops the run in one line naming the sync path and the "
+        "weight version (metrics weight_sync/verified, weight_sync/probe_diff_max, "
+        "timing/weight_verify). off: no probe.",
+    )
     log_prob_check_samples: int | None = Field(
         16,
         ge=0,
