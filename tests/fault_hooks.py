@@ -71,6 +71,40 @@ class FaultyWorker(ModelWorker):
         self.ctx.sync_rollout = skipping
 
     @register(Dispatch.ONE_TO_ALL)
+    def corrupt_sync(self, *, model: str, target: str = "tensor", count: int = 1) -> None:
+        """The next ``count`` weight loads of ``model``'s rollout engine on this worker go
+        wrong: ``target="tensor"``: the first tensor given arrives corrupted (its rows reversed
+        and scaled, shape kept); ``target="adapter"``: the LoRA adapters are dropped before
+        loading (``load_adapter`` takes nothing). Either way the sync itself reports success."""
+        engine = self.rollout_engines[model]
+        left = {"loads": count}
+
+        def corrupted(weights):
+            for k, (name, tensor) in enumerate(weights):
+                yield name, (tensor.flip(0) * 4.0 if k == 0 else tensor)
+
+        if target == "tensor":
+            load_weights = engine.load_weights
+
+            def faulty_load(weights):
+                if left["loads"] <= 0:
+                    return load_weights(weights)
+                left["loads"] -= 1
+                return load_weights(corrupted(weights))
+
+            engine.load_weights = faulty_load
+        else:
+            load_adapter = engine.load_adapter
+
+            def dropping(weights, *args, **kwargs):
+                if left["loads"] <= 0:
+                    return load_adapter(weights, *args, **kwargs)
+                left["loads"] -= 1
+                return sum(t.numel() * t.element_size() for t in weights.values())  # as if taken
+
+            engine.load_adapter = dropping
+
+    @register(Dispatch.ONE_TO_ALL)
     def inject_step_delay(self, *, model: str, seconds: float, hold_for_weights: bool = False) -> None:
         """With partial rollouts, every decoding step of ``model``'s generations takes
         ``seconds`` longer, so that updates finish while a generation is in flight.

@@ -209,7 +209,6 @@ def _rows(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize(
     "graph, overrides, field",
     [
-        (GRPO, ["trainer.async.mode=streaming", "trainer.async.max_staleness=0"], "trainer.async"),
         (GRPO, ["trainer.async.mode=stream"], "trainer.async.mode"),
         (GRPO, ["trainer.async.mode=one_step_off", "trainer.async.max_staleness=0"], "trainer.async"),
         (GRPO, ["trainer.async_.mode=sync"], "trainer.async_"),  # the file spells it async
@@ -221,6 +220,28 @@ def test_bad_async_settings_are_one_line(graph, overrides, field):
         load_graph(graph, overrides)
     message = str(info.value)
     assert "\n" not in message and f".yaml: {field}:" in message
+
+
+@pytest.mark.slow
+def test_streaming_at_max_staleness_0_is_the_synchronous_run_bit_for_bit(ray_session, tmp_path):
+    """streaming with K = 0 keeps no generation ahead: it logs what trainer.async.mode sync logs,
+    every non-timing metric equal (and the consistency check is on, as in sync)."""
+    from test_resume import non_timing
+
+    from hybridflow.controller.trainer import Trainer
+
+    overrides = [*SHORT, "trainer.iterations=3", "trainer.save_interval=0"]
+    streaming = load_graph(GRPO, [*overrides, "trainer.async.mode=streaming", "trainer.async.max_staleness=0"])
+    assert streaming.spec.trainer.async_.synchronous and streaming.spec.trainer.async_.ahead == 0
+    Trainer(load_graph(GRPO, [*overrides, "trainer.async.mode=sync"]), run_dir=str(tmp_path / "sync")).fit()
+    Trainer(streaming, run_dir=str(tmp_path / "k0")).fit()
+
+    def rows(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [non_timing(json.loads(line)) for line in lines]
+
+    assert [r["iteration"] for r in rows("sync")] == [1, 2, 3]
+    assert rows("k0") == rows("sync")
 
 
 def test_async_defaults_to_sync_and_is_written_as_async():

@@ -60,6 +60,7 @@ from hybridflow.data.preferences import PairDataset, collate_pairs, load_pair_da
 from hybridflow.graph.batching import batch_plan
 from hybridflow.graph.dag import SOURCE, Graph
 from hybridflow.hybrid_engine.consistency import RolloutMismatchError
+from hybridflow.hybrid_engine.verify import WeightSyncError
 from hybridflow.workers.pools import ResourcePool, start_ray
 from hybridflow.rewards.rule import RewardError
 from hybridflow.spec.engines import caps_of
@@ -188,7 +189,7 @@ class Trainer:
         """One iteration, then the NaN guard's verdict, then the checkpoint if one is due."""
         try:
             metrics = self.step(iteration)
-        except (RolloutMismatchError, RewardError) as exc:  # a worker's one-line stop (Ray wraps it)
+        except (RolloutMismatchError, WeightSyncError, RewardError) as exc:  # a worker's one-line stop (Ray wraps it)
             cause = getattr(exc, "cause", exc)
             _drop_unfetched_copies(cause)
             raise RunStopped(f"stopping at iteration {iteration}: {cause}") from None

@@ -267,6 +267,13 @@ class RolloutEngine(abc.ABC):
         engine was built with; returns the bytes taken."""
         raise NotImplementedError(f"{type(self).__name__} does not take LoRA adapters")
 
+    def probe_log_probs(self, ids: list[int], num_scored: int) -> torch.Tensor:
+        """The log-probs (num_scored,) at temperature 1 of the last ``num_scored`` of ``ids``,
+        each given the tokens before it, as the engine generates now (its adapters applied):
+        the fingerprint a weight sync is verified by (``hybridflow.hybrid_engine.verify``).
+        Computed without sampling, so no RNG stream moves."""
+        raise NotImplementedError(f"{type(self).__name__} scores no probe (rollout.verify_sync: off)")
+
     def weight_bytes(self) -> int | None:
         """Bytes of the weights this engine holds as its own copy (None: unknown). A sharded
         train engine's resharder reports this apart from its own buffers."""

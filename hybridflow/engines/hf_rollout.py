@@ -189,6 +189,18 @@ class HFRolloutEngine(RolloutEngine):
             results.append((generated[i, :end].tolist(), log_probs[i, :end].tolist(), turn_end.natural[i]))
         return results
 
+    @torch.no_grad()
+    def probe_log_probs(self, ids: list[int], num_scored: int) -> torch.Tensor:
+        """One forward of the module in eval mode (``RolloutEngine.probe_log_probs``)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            logits = self.model(input_ids=torch.tensor([ids], device=self.model.device)).logits
+        finally:
+            self.model.train(was_training)
+        scored = torch.tensor([ids[-num_scored:]], device=logits.device)
+        return log_probs_from_logits(logits[:, -num_scored - 1 : -1].float(), scored)[0].cpu()
+
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters (tied ones once)."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())

@@ -487,7 +487,7 @@ def _resolve_rollout_pools(
     partial = spec.trainer.async_.partial_rollout
     if partial != "off":
         field_ = "trainer.async.partial_rollout"
-        if spec.trainer.async_.mode == "sync":
+        if spec.trainer.async_.synchronous:
             raise SpecError(file, field_, f"{partial} needs an off-policy mode (trainer.async.mode one_step_off or streaming): in sync mode no weights arrive during a generation")
         if not found:
             raise SpecError(file, field_, f"{partial} needs the actor's rollout on a pool of its own (models.<actor>.rollout.pool): on the training pool generation and update never overlap")
@@ -550,7 +550,7 @@ def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node
                             f"{model.rollout.engine!r} takes no LoRA adapters (train.lora); use rollout.engine {able}")
     nodes = _resolve_nodes(spec, file)
     _check_rollout_correction(nodes, file)
-    if spec.trainer.async_.mode != "sync" and any(OPS[n.op].refills for n in nodes):
+    if not spec.trainer.async_.synchronous and any(OPS[n.op].refills for n in nodes):
         raise SpecError(
             file, "trainer.async.mode",
             f"{spec.trainer.async_.mode} runs generation ahead of the iteration; a filter node "

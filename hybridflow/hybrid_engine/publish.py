@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import ray
 import torch
@@ -20,9 +20,15 @@ import torch
 from hybridflow.engines.base import RolloutEngine, TrainEngine, WeightUpdates
 
 
-def publish(engine: TrainEngine, version: int, bucket_mb: float) -> dict:
+# A rollout engine's check after a load (``hybridflow.hybrid_engine.verify``): it takes the
+# engine, the trainer's probe log-probs and the weight version; returns its metrics.
+SyncCheck = Callable[[RolloutEngine, torch.Tensor, int], dict[str, float]]
+
+
+def publish(engine: TrainEngine, version: int, bucket_mb: float, probe: torch.Tensor | None = None) -> dict:
     """Put ``engine``'s current weights into the object store in buckets of about
-    ``bucket_mb`` MiB; returns their refs with the weight version and the bytes."""
+    ``bucket_mb`` MiB; returns their refs with the weight version, the bytes, and ``probe``
+    (the trainer's fingerprint of these weights, checked by the receiving ranks)."""
     start = time.perf_counter()
     buckets, bucket, size, total = [], {}, 0, 0
     limit = bucket_mb * 2**20
@@ -39,6 +45,7 @@ def publish(engine: TrainEngine, version: int, bucket_mb: float) -> dict:
     return {
         "buckets": buckets,
         "version": version,
+        "probe": probe,
         "metrics": {"weight_sync/bytes": float(total), "weight_sync/buckets": float(len(buckets)),
                     "timing/weight_publish": time.perf_counter() - start,
                     **engine.sync_metrics()},  # a sharded engine's gathers
@@ -51,40 +58,45 @@ def bucket_items(buckets: list[dict]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 class StagedWeights:
-    """Per model, the newest weights received and not loaded yet: ``(version, buckets)``.
-    Newer weights replace ones not loaded yet. ``versions`` is the worker's map of the weight
-    version each rollout engine holds, updated at each load."""
+    """Per model, the newest weights received and not loaded yet: ``(version, buckets, check)``
+    (``check``: the verification of the load, or None). Newer weights replace ones not loaded
+    yet. ``versions`` is the worker's map of the weight version each rollout engine holds,
+    updated at each load."""
 
     def __init__(self, versions: dict[str, int]) -> None:
         self.versions = versions
-        self._staged: dict[str, tuple[int, list[dict]]] = {}
+        self._staged: dict[str, tuple[int, list[dict], Callable | None]] = {}
         self._lock = threading.Lock()
 
-    def stage(self, model: str, version: int, buckets: list[dict]) -> None:
+    def stage(self, model: str, version: int, buckets: list[dict], check: Callable | None = None) -> None:
         with self._lock:
-            self._staged[model] = (version, buckets)
+            self._staged[model] = (version, buckets, check)
 
-    def take(self, model: str) -> tuple[int, list[dict]] | None:
+    def take(self, model: str) -> tuple[int, list[dict], Callable | None] | None:
         with self._lock:
             return self._staged.pop(model, None)
 
     def load(self, model: str, engine: RolloutEngine) -> None:
-        """Load weights staged since the last generation."""
+        """Load weights staged since the last generation (and verify them)."""
         staged = self.take(model)
         if staged is not None:
-            version, buckets = staged
+            version, buckets, check = staged
             engine.load_weights(bucket_items(buckets))
             self.versions[model] = version
+            if check is not None:
+                check(engine)
 
     def updates(self, model: str, mode: str, versions: list[int]) -> WeightUpdates:
         """The staged weights, polled between decoding steps by the engine; each load appends
-        its version to ``versions`` and becomes the rollout's version."""
+        its version to ``versions`` and becomes the rollout's version. A load between two
+        decoding steps is not verified (the engine is mid-generation): the next load between
+        generations is."""
 
         def poll():
             staged = self.take(model)
             if staged is None:
                 return None
-            version, buckets = staged
+            version, buckets, _ = staged
             versions.append(version)
             self.versions[model] = version
             return bucket_items(buckets)
@@ -92,15 +104,23 @@ class StagedWeights:
         return WeightUpdates(poll=poll, mode=mode)
 
 
-def receive(model: str, published: list, engine: RolloutEngine, staged: StagedWeights, partial: bool) -> dict[str, float]:
+def receive(
+    model: str, published: list, engine: RolloutEngine, staged: StagedWeights, partial: bool,
+    check: SyncCheck | None = None,
+) -> dict[str, float]:
     """Load what rank 0 of the training pool published (``published``: ``[ref]``, the ref of its
     ``publish`` result) into ``engine``, fetching one bucket at a time into one load (a vLLM
     engine takes whole weight sets); later samples carry the published version. ``partial``:
-    fetch all buckets and stage them for the generation to load."""
+    fetch all buckets and stage them for the generation to load. ``check``: verify the load
+    against the published probe (``rollout.verify_sync``)."""
     start = time.perf_counter()
     (offer,) = ray.get(published)
+    verify = None
+    if check is not None and offer["probe"] is not None:
+        probe, version = offer["probe"], offer["version"]
+        verify = lambda loaded: check(loaded, probe, version)  # noqa: E731
     if partial:
-        staged.stage(model, offer["version"], ray.get(list(offer["buckets"])))
+        staged.stage(model, offer["version"], ray.get(list(offer["buckets"])), verify)
         return {**offer["metrics"], "timing/weight_sync": time.perf_counter() - start}
 
     def fetched():  # one bucket in memory at a time, all in one load (vLLM needs whole sets)
@@ -109,4 +129,7 @@ def receive(model: str, published: list, engine: RolloutEngine, staged: StagedWe
 
     engine.load_weights(fetched())
     staged.versions[model] = offer["version"]
-    return {**offer["metrics"], "timing/weight_sync": time.perf_counter() - start}
+    metrics = {**offer["metrics"], "timing/weight_sync": time.perf_counter() - start}
+    if verify is not None:
+        metrics.update(verify(engine))
+    return metrics

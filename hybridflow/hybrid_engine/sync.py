@@ -58,6 +58,14 @@ def weight_sync(engine: TrainEngine, rollout: RolloutSpec) -> WeightSync:
     return ReshardedSync(shard, rollout.layout.tp, rollout.layout.pp, rollout.reshard)
 
 
+def sync_path(engine: TrainEngine, rollout: RolloutSpec) -> str:
+    """The name of the path ``weight_sync`` takes, as a failed verification names it
+    (``hybridflow.hybrid_engine.verify``)."""
+    if engine.adapter_config() is not None:
+        return "merged" if rollout.merges_lora else "lora_adapter"
+    return "full_weights" if engine.train_shard() is None else "resharded"
+
+
 def sync_weights(train: TrainEngine, rollout: RolloutEngine) -> dict[str, float]:
     """Push ``train``'s current weights into ``rollout``; returns timing metrics and
     ``weight_sync/bytes``, the bytes of the copy the rollout engine took (0 when it shares the

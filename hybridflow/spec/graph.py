@@ -292,6 +292,15 @@ class RolloutSpec(Spec):
         "(mean absolute difference); null = only report. Checked in trainer.async.mode sync "
         "only (off-policy modes sample from older weights by design).",
     )
+    verify_sync: Literal["every", "off"] = Field(
+        "every",
+        description="After every weight sync into the rollout engine (full weights, resharded "
+        "megatron weights, LoRA adapters, merged, a rollout pool), the rollout engine and the "
+        "trainer each compute the log-probs of a fixed probe sequence; a difference past the "
+        "bound of the model's dtype stops the run in one line naming the sync path and the "
+        "weight version (metrics weight_sync/verified, weight_sync/probe_diff_max, "
+        "timing/weight_verify). off: no probe.",
+    )
     log_prob_check_samples: int | None = Field(
         16,
         ge=0,
@@ -789,7 +798,8 @@ class AsyncSpec(Spec):
     )
     max_staleness: int = Field(
         1, ge=0, description="K: a batch is trained only if its samples lag the trainer by at most "
-        "K actor updates (one_step_off needs K >= 1); streaming keeps K generations ahead."
+        "K actor updates (one_step_off needs K >= 1); streaming keeps K generations ahead, and "
+        "streaming with K = 0 is the synchronous run, bit for bit."
     )
 
     partial_rollout: Literal["off", "continue", "abort"] = Field(
@@ -815,9 +825,14 @@ class AsyncSpec(Spec):
         """Generations kept queued ahead of training: 0 in sync, 1 one_step_off, K streaming."""
         return {"sync": 0, "one_step_off": 1, "streaming": self.max_staleness}[self.mode]
 
+    @property
+    def synchronous(self) -> bool:
+        """No generation runs ahead of training: ``sync``, or ``streaming`` with K = 0."""
+        return self.ahead == 0
+
     @model_validator(mode="after")
     def _bound_allows_mode(self) -> "AsyncSpec":
-        if self.mode != "sync" and self.max_staleness < 1:
+        if self.mode == "one_step_off" and self.max_staleness < 1:
             raise ValueError(
                 f"max_staleness must be >= 1 for mode {self.mode} (its samples are at least 1 update old)"
             )

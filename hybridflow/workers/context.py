@@ -7,13 +7,15 @@ built-in or a user's, is ``body(ctx, batch, node) -> (TensorDict, meta)``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.engines.base import RolloutEngine, TrainEngine
 from hybridflow.graph.dag import Graph
 from hybridflow.hybrid_engine.publish import StagedWeights
-from hybridflow.hybrid_engine.sync import WeightSync
+from hybridflow.hybrid_engine import verify
+from hybridflow.hybrid_engine.sync import WeightSync, sync_path
 from hybridflow.rewards.remote import RewardSources
 from hybridflow.spec.graph import GraphSpec
 
@@ -68,6 +70,21 @@ class WorkerContext:
 
     def sync_rollout(self, model: str) -> dict[str, float]:
         """The rollout engine of ``model`` takes its train engine's current weights (and their
-        version: samples it generates from now on are tagged with it)."""
+        version: samples it generates from now on are tagged with it); under
+        ``rollout.verify_sync: every`` the probe of what was sent must match what arrived
+        (``hybridflow.hybrid_engine.verify``), else WeightSyncError stops the run."""
         self.rollout_versions[model] = self.train_versions[model]
-        return self.weight_syncs[model](self.rollout_engines[model])
+        train, rollout = self.train_engines[model], self.rollout_engines[model]
+        spec = self.spec.models[model]
+        if spec.rollout.verify_sync == "off":
+            return self.weight_syncs[model](rollout)
+        start = time.perf_counter()
+        expected = verify.trainer_probe(train, self.tokenizer)  # the weights about to be sent
+        trainer_seconds = time.perf_counter() - start
+        metrics = self.weight_syncs[model](rollout)
+        checked = verify.verify(
+            expected, rollout, self.tokenizer, path=sync_path(train, spec.rollout), model=model,
+            engine=spec.rollout.engine, version=self.rollout_versions[model], dtype=spec.train.dtype,
+        )
+        checked["timing/weight_verify"] += trainer_seconds
+        return {**metrics, **checked}

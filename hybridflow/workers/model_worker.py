@@ -21,7 +21,7 @@ from hybridflow.engines.base import ROLLOUT_ENGINES, TRAIN_ENGINES, RolloutEngin
 from hybridflow.engines.lora import BaseModelEngine
 from hybridflow.engines.models import build_causal_lm, build_value_model
 from hybridflow.graph.dag import Graph
-from hybridflow.hybrid_engine import publish
+from hybridflow.hybrid_engine import publish, verify
 from hybridflow.hybrid_engine.sync import WeightSync, weight_sync
 from hybridflow.rewards.remote import RewardSources
 from hybridflow.spec.graph import Spec
@@ -221,17 +221,29 @@ class ModelWorker(Worker):
     def publish_weights(self, *, model: str, bucket_mb: float) -> dict | None:
         """Rank 0 publishes ``model``'s current weights (every data-parallel rank holds or
         gathers the same full weights); the other ranks return None."""
+        engine = self.train_engines[model]
+        probe = None
+        if self.spec.models[model].rollout.verify_sync == "every":  # collective when sharded
+            probe = verify.trainer_probe(engine, self.tokenizer)
         if self.rank != 0:
-            for _ in self.train_engines[model].named_weights():  # a sharded engine gathers: every rank
+            for _ in engine.named_weights():  # a sharded engine gathers: every rank
                 pass
             return None
-        return publish.publish(self.train_engines[model], self.ctx.train_versions[model], bucket_mb)
+        return publish.publish(engine, self.ctx.train_versions[model], bucket_mb, probe)
 
     @register(Dispatch.ONE_TO_ALL)
     def receive_weights(self, *, model: str, published: list) -> dict[str, float]:
         """Load (or, with partial rollouts, stage) the weights of one ``publish_weights``."""
         partial = self.spec.trainer.async_.partial_rollout != "off"
-        return publish.receive(model, published, self.rollout_engines[model], self.ctx.staged, partial)
+        spec = self.spec.models[model]
+
+        def check(engine: RolloutEngine, probe: torch.Tensor, version: int) -> dict[str, float]:
+            return verify.verify(
+                probe, engine, self.tokenizer, path="rollout_pool", model=model,
+                engine=spec.rollout.engine, version=version, dtype=spec.train.dtype,
+            )
+
+        return publish.receive(model, published, self.rollout_engines[model], self.ctx.staged, partial, check)
 
 
 def _generation_tp(train: ParallelLayout, tp: int, rank: int, seed: int) -> dict[str, Any]:

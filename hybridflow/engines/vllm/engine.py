@@ -477,6 +477,19 @@ class VLLMRolloutEngine(RolloutEngine):
         torch.manual_seed(self.seed * 1_000_003 + self._calls)
         return stack
 
+    @torch.no_grad()
+    def probe_log_probs(self, ids: list[int], num_scored: int) -> torch.Tensor:
+        """vLLM's prompt log-probs of ``ids`` (raw logits, whatever ``logprobs_mode``), under
+        the adapters ``generate`` applies; one greedy token is decoded, so no RNG is drawn
+        (nor ``_tp_rng``'s call count moved)."""
+        self.reload()
+        probe = self._sampling_params_cls(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        (output,) = self.llm.generate(
+            [{"prompt_token_ids": list(ids)}], probe, use_tqdm=False, lora_request=self._lora_request
+        )
+        scored = output.prompt_logprobs[-num_scored:]
+        return torch.tensor([pos[tok].logprob for pos, tok in zip(scored, ids[-num_scored:])], dtype=torch.float64)
+
     # -- weights ------------------------------------------------------------------------------
 
     @torch.no_grad()

@@ -56,7 +56,7 @@ def update_policy(ctx: WorkerContext, batch: TensorDict, node: Node) -> tuple[Te
     metrics.update({f"actor/{k}": v for k, v in consistency.items()})
     rollout = spec.models[model].rollout
     # Off-policy modes train on samples of older weights by design: report, do not stop.
-    if rollout is not None and spec.trainer.async_.mode == "sync":
+    if rollout is not None and spec.trainer.async_.synchronous:
         check_consistency(consistency, rollout.log_prob_tolerance, model=model, engine=rollout.engine)
     if model in ctx.train_versions:
         ctx.train_versions[model] += 1
