@@ -114,6 +114,9 @@ def test_the_judge_runs_on_its_rollout_engine_and_keeps_samples_per_prompt():
     assert graph.op(node).runs_rollout_engine and not graph.op(node).generates
     assert graph.judge_node("judge") is node and graph.judge_node("actor") is None
     assert graph.dispatch_layout(node) == graph.layouts["judge"]
+    # judge: 16-token templates + 2 verdict tokens, one verdict per sample (8 prompts x n 8)
+    assert graph.rollout_sizes("judge") == (18, 16, 64)
+    assert graph.rollout_sizes("actor") == (16, 8, 64)
 
 
 # -- runs on real Ray ------------------------------------------------------------------------

@@ -112,6 +112,22 @@ class Graph:
         """The actor; None in a graph that reads preference pairs (it trains scalar models)."""
         return next((name for name, m in self.spec.models.items() if m.role == "actor"), None)
 
+    def rollout_sizes(self, model: str) -> tuple[int, int, int]:
+        """What ``model``'s rollout engine is built for: ``(max_model_len, shared_prefix_len,
+        max_num_seqs)``, the longest sequence, the longest prefix two requests share, and the
+        sequences of one generate call (a whole iteration's, so one call fits the KV cache)."""
+        data = self.spec.data
+        judge = self.judge_node(model)
+        if judge is not None:  # a verdict per actor sample; every filled template starts alike
+            opts = judge.spec.options
+            num_seqs = data.prompts_per_iteration * self.spec.models[self.actor].rollout.n
+            return opts.max_prompt_length + opts.max_new_tokens, opts.max_prompt_length, num_seqs
+        max_model_len = data.max_prompt_length + data.max_response_length
+        # A prompt's samples share the prompt; a multi-turn episode's turns the context before them.
+        multi_turn = any(n.model == model and self.op(n).multi_turn for n in self.nodes)
+        shared = max_model_len if multi_turn else data.max_prompt_length
+        return max_model_len, shared, data.prompts_per_iteration * self.spec.models[model].rollout.n
+
     def judge_node(self, model: str) -> Node | None:
         """The judge node that runs on ``model`` (its verdict lengths size the model's rollout
         engine), or None when ``model`` is no judge."""

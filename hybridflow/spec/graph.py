@@ -508,7 +508,7 @@ class ScoreOptions(EndingOptions):
 
 JUDGE_FIELDS = ("prompt", "response", "ground_truth")  # the placeholders of a judge's template
 DEFAULT_JUDGE_TEMPLATE = (
-    "Question: {prompt}\nReference answer: {ground_truth}\nResponse: {response}\n"
+    "Question: {prompt} Reference answer: {ground_truth} Response: {response} "
     "Rate the response from 0 to 10. Score:"
 )
 

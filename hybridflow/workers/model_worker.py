@@ -122,19 +122,8 @@ class ModelWorker(Worker):
         self.ctx.rollout_versions.update(dict.fromkeys(self.rollout_engines, 0))
 
     def _build_rollout(self, name: str, module: torch.nn.Module, adapter_config) -> RolloutEngine:
-        rollout, data = self.spec.models[name].rollout, self.spec.data
-        max_model_len = data.max_prompt_length + data.max_response_length
-        # A prompt's samples share the prompt; a multi-turn episode's turns the context before them.
-        multi_turn = any(n.model == name and self.graph.op(n).multi_turn for n in self.graph.nodes)
-        shared_prefix_len = max_model_len if multi_turn else data.max_prompt_length
-        # A whole iteration's samples fit in the KV cache at once (one batch per generate call).
-        max_num_seqs = data.prompts_per_iteration * rollout.n
-        judge = self.graph.judge_node(name)
-        if judge is not None:  # one verdict per sample of the actor, on a filled template
-            opts = judge.spec.options
-            # every filled template starts with the template's own text
-            max_model_len, shared_prefix_len = opts.max_prompt_length + opts.max_new_tokens, opts.max_prompt_length
-            max_num_seqs = data.prompts_per_iteration * self.spec.models[self.graph.actor].rollout.n
+        rollout = self.spec.models[name].rollout
+        max_model_len, shared_prefix_len, max_num_seqs = self.graph.rollout_sizes(name)
         return ROLLOUT_ENGINES.get(rollout.engine).build(
             module,
             self.tokenizer,

@@ -43,8 +43,10 @@ def judge(ctx: WorkerContext, batch: TensorDict, node: Node) -> tuple[TensorDict
     failed = [(i, v.failure) for i, v in enumerate(verdicts) if v.failure is not None]
     if failed and opts.on_error == "fail":
         i, failure = failed[0]
-        raise RewardError(f"judge node {node.name!r}: sample {i}: {failure.replace('_', ' ')}, verdict "
-                          f"{shorten(verdict_texts[i], 80)!r} (or options.on_error: default)")
+        why = (f"did not end within max_new_tokens={opts.max_new_tokens} (a timeout)" if failure == "timeout"
+               else "holds no score (a parse error)")
+        raise RewardError(f"judge node {node.name!r}: sample {i}: the verdict {shorten(verdict_texts[i], 80)!r} "
+                          f"{why} (or options.on_error: default)")
     scores = torch.tensor([opts.default_reward if v.score is None else v.score for v in verdicts], dtype=torch.float32)
     scores, unfinished = apply_ending_rule(scores, batch, tokenizer, opts, node.role)
     prefix = node.role if node.outputs[0] in (K.SCORES, K.COSTS) else node.outputs[0]
