@@ -49,6 +49,7 @@ EXEMPT = {
     r"^make test(-fast)?\b": "CI's .ci/run runs `make test`, which runs this file",
     r"--address auto\b": "needs a running Ray cluster; `ray.init(address=...)` is Ray's own code path",
     r"^tensorboard\b": "starts a web server; the event files it reads are checked in tests/test_loggers.py",
+    r"grpo_judge\.yaml": "tests/test_judge.py runs grpo_judge.yaml for 3 iterations, shrunk, on Ray",
     r"grpo_smollm2\.yaml|runs/smollm2\b": "tests/test_smollm2.py runs the SmolLM2 run, both evals and the plot, shrunk",
     r"grpo_smollm2_lora\.yaml|runs/lora\b": "tests/test_lora.py runs the LoRA graph and an eval of its adapters, shrunk",
     r"distill_smollm2\.yaml|runs/smollm2_distill\b": (
@@ -104,6 +105,7 @@ COVERED_BY = {
     "tests/test_lora.py": ['main(["run", "graphs/grpo_smollm2_lora.yaml"', 'main(["eval", "graphs/grpo_smollm2_lora.yaml"'],
     "tests/test_graph.py": ["def test_python_builder_equals_yaml"],
     "tests/test_distill.py": ['"graphs/distill_smollm2.yaml"', "def test_distill_smollm2_runs_two_iterations"],
+    "tests/test_judge.py": ['"grpo_judge.yaml"', '"trainer.iterations=3"', "def test_grpo_judge_runs_3_iterations"],
     "tests/test_envs.py": ['"grpo_tool.yaml"', "def test_grpo_tool_graph_runs_and_logs_tool_metrics"],
     "examples/custom_reward.py": ['REWARD = "custom_reward:exact_or_partial"', '"ppo"', 'os.environ["PYTHONPATH"]'],
 }

@@ -52,15 +52,16 @@ def test_no_node_class_is_written_by_hand_in_the_spec():
 
 def test_records_flag_what_the_code_asks_about():
     flagged = {flag: {name for name, op in OPS.items() if getattr(op, flag)}
-               for flag in ("generates", "multi_turn", "trains", "scores", "forward", "refills", "text")}
+               for flag in ("generates", "multi_turn", "judges", "trains", "scores", "forward", "refills", "text")}
     assert flagged == {
         "generates": {"generate", "multi_turn_generate"},
         "multi_turn": {"multi_turn_generate"},
+        "judges": {"judge"},
         "trains": {"update", "pair_update"},
-        "scores": {"score"},
+        "scores": {"score", "judge"},
         "forward": {"log_prob", "values", "score"},
         "refills": {"filter"},
-        "text": {"generate", "multi_turn_generate", "score", "filter"},
+        "text": {"generate", "multi_turn_generate", "score", "judge", "filter"},
     }
 
 

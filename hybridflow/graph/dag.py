@@ -112,6 +112,27 @@ class Graph:
         """The actor; None in a graph that reads preference pairs (it trains scalar models)."""
         return next((name for name, m in self.spec.models.items() if m.role == "actor"), None)
 
+    def rollout_sizes(self, model: str) -> tuple[int, int, int]:
+        """What ``model``'s rollout engine is built for: ``(max_model_len, shared_prefix_len,
+        max_num_seqs)``, the longest sequence, the longest prefix two requests share, and the
+        sequences of one generate call (a whole iteration's, so one call fits the KV cache)."""
+        data = self.spec.data
+        judge = self.judge_node(model)
+        if judge is not None:  # a verdict per actor sample; every filled template starts alike
+            opts = judge.spec.options
+            num_seqs = data.prompts_per_iteration * self.spec.models[self.actor].rollout.n
+            return opts.max_prompt_length + opts.max_new_tokens, opts.max_prompt_length, num_seqs
+        max_model_len = data.max_prompt_length + data.max_response_length
+        # A prompt's samples share the prompt; a multi-turn episode's turns the context before them.
+        multi_turn = any(n.model == model and self.op(n).multi_turn for n in self.nodes)
+        shared = max_model_len if multi_turn else data.max_prompt_length
+        return max_model_len, shared, data.prompts_per_iteration * self.spec.models[model].rollout.n
+
+    def judge_node(self, model: str) -> Node | None:
+        """The judge node that runs on ``model`` (its verdict lengths size the model's rollout
+        engine), or None when ``model`` is no judge."""
+        return next((n for n in self.nodes if n.model == model and self.op(n).judges), None)
+
     @property
     def reads_pairs(self) -> bool:
         """Whether the graph's data are preference pairs (``data.train_files`` of pair rows)."""
@@ -221,6 +242,12 @@ def resolve_node(
     if op.generates and model.rollout is None:
         raise SpecError(
             file, f"models.{node.model}.rollout", "an actor that generates needs rollout settings"
+        )
+    if op.judges and model.rollout is None:
+        raise SpecError(
+            file, f"models.{node.model}.rollout",
+            f"judge node {node.name!r} generates its verdicts with the model's rollout engine: give "
+            "rollout settings (e.g. {engine: hf})",
         )
     keys = {
         "inputs": tuple(node.inputs) if node.inputs is not None else op.default_inputs(model.role),
@@ -550,6 +577,7 @@ def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node
                             f"{model.rollout.engine!r} takes no LoRA adapters (train.lora); use rollout.engine {able}")
     nodes = _resolve_nodes(spec, file)
     _check_rollout_correction(nodes, file)
+    _check_judges(spec, nodes, file)
     if not spec.trainer.async_.synchronous and any(OPS[n.op].refills for n in nodes):
         raise SpecError(
             file, "trainer.async.mode",
@@ -587,6 +615,32 @@ def _check_rollout_correction(nodes: list[Node], file: str) -> None:
                 f"update {node.name!r} weighs tokens by pi_old / pi_rollout and needs "
                 f"old_log_probs among its inputs {list(node.inputs)} (a log_prob node on the actor)",
             )
+
+
+def _check_judges(spec: GraphSpec, nodes: list[Node], file: str) -> None:
+    """A judge model is a causal LM with a rollout engine of its own: it has weights, runs
+    judge nodes only (a score node would read a value head it has not), and generates where it
+    sits; a reward or cost model with rollout settings is a judge."""
+    judged = {n.model for n in nodes if OPS[n.op].judges}
+    for i, node in enumerate(nodes):
+        if node.model in judged and not OPS[node.op].judges:
+            raise SpecError(file, f"nodes[{i}].op", f"model {node.model!r} is a judge (a judge node runs on it): "
+                            f"it runs judge nodes only, not {node.op}")
+    for name, model in spec.models.items():
+        if model.role == "actor" or model.rollout is None:
+            continue
+        where = f"models.{name}.rollout"
+        if name not in judged:
+            raise SpecError(file, where, f"a {model.role} model has rollout settings only as a judge; "
+                            "add a judge node on it or leave rollout out")
+        if model.source.is_scorer:
+            raise SpecError(file, f"models.{name}.source", "a judge generates: give it weights (config, path, gguf, "
+                            "package or run), not a rule, compute_score or remote source")
+        if model.rollout.pool is not None:
+            raise SpecError(file, f"{where}.pool", "a judge generates on its own model's pool; place the model "
+                            "on a pool of its own instead (placement)")
+        if model.train.adapters is not None:
+            raise SpecError(file, f"models.{name}.train.lora", "a judge is not trained: leave lora out")
 
 
 # Resolves ``placement: auto`` for a graph validated with everything on the first pool: returns

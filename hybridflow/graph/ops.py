@@ -31,6 +31,7 @@ from hybridflow.spec.graph import (
     AdvantageOptions,
     FilterOptions,
     GenerateOptions,
+    JudgeOptions,
     MultiTurnOptions,
     NodeBase,
     NoOptions,
@@ -73,7 +74,10 @@ class Op:
     rollout engine (needs rollout settings, is split over the generation layout, and makes
     ``rollout.n`` samples per prompt, 1 when greedy); ``multi_turn``: its rollouts are episodes
     against the environment its options name (``env``, ``env_kwargs``: built before the run
-    starts; a turn's context is shared across the episode); ``trains``: it changes its model's
+    starts; a turn's context is shared across the episode); ``judges``: it generates with its
+    own model's rollout engine from other nodes' outputs (an LLM judge): the model needs rollout
+    settings, is built as a causal LM, and colocation keeps its rollout engine resident for the
+    op; its outputs keep their inputs' samples per prompt; ``trains``: it changes its model's
     weights (the model is checkpointed, and its workers keep optimizer state); ``scores``: it
     scores responses (validation and ``hybridflow eval`` run it); ``forward``: a forward pass of
     its model over the responses (the cost model prices it so); ``refills``: the op drops
@@ -92,6 +96,7 @@ class Op:
     text: bool = False
     generates: bool = False
     multi_turn: bool = False
+    judges: bool = False
     trains: bool = False
     scores: bool = False
     forward: bool = False
@@ -128,6 +133,11 @@ class Op:
                 raise AttributeError(f"op {self.name!r}: module {module_name!r} has no body {attr!r}") from None
             _BODIES[path] = fn
         return _BODIES[path]
+
+    @property
+    def runs_rollout_engine(self) -> bool:
+        """The op runs its model's rollout engine (colocation reloads it first)."""
+        return self.generates or self.judges
 
     def slots_for(self, role: str) -> dict[str, Slot]:
         return {name: s for name, s in self.slots.items() if s.roles is None or role in s.roles}
@@ -268,6 +278,20 @@ register_op(Op(
         "baseline_scores": (K.BASELINE_SCORES,),
     },
     text=True,  # a rule reads the prompt and the ground truth
+))
+# An LLM judge: the node's model writes a verdict on each response with its rollout engine,
+# and the score is parsed from it (hybridflow.rewards.judge).
+register_op(Op(
+    "judge",
+    roles=frozenset({"reward", "cost"}),
+    options=JudgeOptions,
+    body="hybridflow.workers.ops.judge:judge",
+    scores=True,
+    judges=True,
+    inputs={"*": ("responses",)},
+    outputs={"reward": ("scores",), "cost": ("costs",)},
+    writes={"scores": (K.SCORES, K.TOKEN_REWARDS), "costs": (K.COSTS,)},
+    text=True,  # the template holds the prompt's text and the ground truth
 ))
 # Pure math: runs on the workers of whichever model the node names (put it next to its consumer
 # so the advantages never leave those processes).

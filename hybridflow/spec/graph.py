@@ -374,12 +374,14 @@ class ModelSpec(Spec):
     train: TrainEngineSpec = Field(
         default_factory=TrainEngineSpec, description="Engine for forwards and updates."
     )
-    rollout: RolloutSpec | None = Field(None, description="Generation settings (actor only).")
+    rollout: RolloutSpec | None = Field(
+        None, description="Generation settings: an actor's, or a judge's (a reward or cost model a judge node runs on)."
+    )
 
     @model_validator(mode="after")
     def _role_fits(self) -> "ModelSpec":
-        if self.rollout is not None and self.role != "actor":
-            raise ValueError(f"only an actor has rollout settings (role is {self.role})")
+        if self.rollout is not None and self.role not in ("actor", "reward", "cost"):
+            raise ValueError(f"only an actor or a judge (a reward or cost model) has rollout settings (role is {self.role})")
         if self.source.is_scorer and self.role not in ("reward", "cost"):
             raise ValueError(
                 f"a rule/compute_score/remote source is for reward/cost models (role is {self.role})"
@@ -433,9 +435,9 @@ class NoOptions(Spec):
 DEFAULT_SCORE_TIMEOUT_S = 30.0  # a rule call slower than this is taken to hang
 
 
-class ScoreOptions(Spec):
-    """What a response that did not end scores, and what a rule or remote reward that raises,
-    hangs or answers garbage does to the run."""
+class EndingOptions(Spec):
+    """The ending rule of a scoring node (``rewards/ending.py``): what a response that did not
+    end scores."""
 
     unfinished: Literal["auto", "replace", "keep"] = Field(
         "auto",
@@ -449,6 +451,12 @@ class ScoreOptions(Spec):
     unfinished_score: float = Field(
         0.0, description="Score of a response that did not end, under unfinished: replace."
     )
+
+
+class ScoreOptions(EndingOptions):
+    """What a response that did not end scores, and what a rule or remote reward that raises,
+    hangs or answers garbage does to the run."""
+
     overlong_buffer: int | None = Field(
         None,
         ge=1,
@@ -505,6 +513,107 @@ class ScoreOptions(Spec):
         "main thread (math-verify's signal-based timeouts work there) and killed past "
         "timeout_s; 0 = in the worker itself (a timed-out call is then abandoned, not stopped).",
     )
+
+
+JUDGE_FIELDS = ("prompt", "response", "ground_truth")  # the placeholders of a judge's template
+DEFAULT_JUDGE_TEMPLATE = (
+    "Question: {prompt} Reference answer: {ground_truth} Response: {response} "
+    "Rate the response from 0 to 10. Score:"
+)
+
+
+class JudgeOptions(EndingOptions):
+    """An LLM judge (``rewards/judge.py``): the node's model writes a verdict on each response
+    with its own rollout engine, from ``template`` filled with the sample's prompt, response and
+    ground truth, and the score is read from the verdict: a number in ``scale`` (rescaled to
+    [0, 1]) or the first of ``labels`` it holds. A verdict with no such score is a parse error,
+    one that does not end within ``max_new_tokens`` a timeout; both follow ``on_error`` and are
+    counted (judge/parse_errors, judge/timeouts)."""
+
+    template: str = Field(
+        DEFAULT_JUDGE_TEMPLATE,
+        description="The judge's prompt, a Python format string of {prompt} (the prompt's text), "
+        "{response} (the decoded response) and {ground_truth} (the row's, '' when it has none); "
+        "write {{ and }} for literal braces.",
+    )
+    chat: bool = Field(
+        False, description="Render the filled template as one user message with the tokenizer's "
+        "chat template (add_generation_prompt); false: the filled template is the prompt as it is.",
+    )
+    scale: tuple[float, float] = Field(
+        (0.0, 10.0),
+        description="[min, max] of the verdict's number: the first number pattern finds, if in "
+        "[min, max], scores (number - min) / (max - min); a number outside is a parse error. "
+        "Not used with labels.",
+    )
+    pattern: str = Field(
+        r"-?\d+(?:\.\d+)?",
+        description="Regular expression (Python re) of the number in a verdict; with a group, "
+        "the group is the number (e.g. 'Score:\\s*(\\d+)'). The first match counts.",
+    )
+    labels: dict[str, float] | None = Field(
+        None,
+        description="Label -> score, e.g. {yes: 1, no: 0}: the verdict scores the label it "
+        "holds first (a whole word, case ignored); none of them is a parse error. null = scale.",
+    )
+    greedy: bool = Field(
+        True, description="Greedy verdicts; false samples one at the judge's rollout.temperature, top_p, top_k."
+    )
+    max_new_tokens: int = Field(
+        16, ge=1, description="Verdict tokens at most: a verdict that has not ended by then (no EOS) "
+        "is a timeout, whatever it holds (it may be cut mid-number).",
+    )
+    max_prompt_length: int = Field(
+        256, ge=1, description="Tokens of a filled template at most; a longer one keeps its last "
+        "max_prompt_length tokens (counted in judge/truncated_prompts).",
+    )
+    on_error: Literal["fail", "default"] = Field(
+        "fail", description="A parse error or a timeout: 'fail' stops the run in one line naming "
+        "the node; 'default' gives the sample default_reward and counts it "
+        "(judge/parse_errors, judge/timeouts).",
+    )
+    default_reward: float = Field(0.0, description="Score of a sample whose verdict failed (on_error: default).")
+
+    @field_validator("template")
+    @classmethod
+    def _known_placeholders(cls, template: str) -> str:
+        import string
+
+        try:
+            names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+        except ValueError as exc:
+            raise ValueError(f"template is not a format string ({exc}); write {{{{ and }}}} for literal braces") from None
+        unknown = sorted(names - set(JUDGE_FIELDS))
+        if unknown:
+            raise ValueError(f"template has unknown placeholders {unknown}; known: {list(JUDGE_FIELDS)}")
+        if "response" not in names:
+            raise ValueError("template must hold {response}")
+        return template
+
+    @field_validator("pattern")
+    @classmethod
+    def _one_group(cls, pattern: str) -> str:
+        import re
+
+        try:
+            groups = re.compile(pattern).groups
+        except re.error as exc:
+            raise ValueError(f"pattern is not a regular expression: {exc}") from None
+        if groups > 1:
+            raise ValueError(f"pattern has {groups} groups; give at most one (the number)")
+        return pattern
+
+    @model_validator(mode="after")
+    def _scale_or_labels(self) -> "JudgeOptions":
+        low, high = self.scale
+        if not low < high:
+            raise ValueError(f"scale [{low}, {high}]: min must be below max")
+        if self.labels is not None:
+            if "scale" in self.model_fields_set or "pattern" in self.model_fields_set:
+                raise ValueError("give scale (and pattern) or labels, not both")
+            if not self.labels or any(not label.strip() for label in self.labels):
+                raise ValueError("labels must map non-empty labels to scores")
+        return self
 
 
 def _registered(registry_name: str, name: str) -> str:

@@ -71,7 +71,7 @@ class ModelWorker(Worker):
                 continue
             if served[name] is not None:  # built below, from the actor's engine
                 continue
-            value_head = model_spec.role in VALUE_ROLES
+            value_head = model_spec.role in VALUE_ROLES and graph.judge_node(name) is None  # a judge is an LM
             build = build_value_model if value_head else build_causal_lm
             module = build(
                 model_spec.source,
@@ -122,17 +122,14 @@ class ModelWorker(Worker):
         self.ctx.rollout_versions.update(dict.fromkeys(self.rollout_engines, 0))
 
     def _build_rollout(self, name: str, module: torch.nn.Module, adapter_config) -> RolloutEngine:
-        rollout, data = self.spec.models[name].rollout, self.spec.data
-        max_model_len = data.max_prompt_length + data.max_response_length
-        # A prompt's samples share the prompt; a multi-turn episode's turns the context before them.
-        multi_turn = any(n.model == name and self.graph.op(n).multi_turn for n in self.graph.nodes)
+        rollout = self.spec.models[name].rollout
+        max_model_len, shared_prefix_len, max_num_seqs = self.graph.rollout_sizes(name)
         return ROLLOUT_ENGINES.get(rollout.engine).build(
             module,
             self.tokenizer,
             max_model_len=max_model_len,
-            shared_prefix_len=max_model_len if multi_turn else data.max_prompt_length,
-            # A whole iteration's samples fit in the KV cache at once (one batch per generate call).
-            max_num_seqs=data.prompts_per_iteration * rollout.n,
+            shared_prefix_len=shared_prefix_len,
+            max_num_seqs=max_num_seqs,
             temperature=rollout.temperature,
             adapter_config=adapter_config,
             enforce_eager=rollout.enforce_eager,
@@ -153,7 +150,7 @@ class ModelWorker(Worker):
             resolved = replace(resolved, spec=resolved.spec.model_copy(update={"options": options}))
         op = self.graph.op(resolved)
         # the idle models' state goes to CPU memory, rollout engines too unless the op generates
-        moves = self.colocation.activate(resolved.model, generates=op.generates)
+        moves = self.colocation.activate(resolved.model, generates=op.runs_rollout_engine)
         out, meta = op.load_body(resolved.role)(self.ctx, batch, resolved)
         return out, {**meta, **moves}
 

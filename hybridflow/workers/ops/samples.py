@@ -16,10 +16,12 @@ from hybridflow.workers.context import WorkerContext
 
 
 def logged_samples(
-    ctx: WorkerContext, batch: TensorDict, scores: torch.Tensor, score_name: str, observations: bool = False
+    ctx: WorkerContext, batch: TensorDict, scores: torch.Tensor, score_name: str, observations: bool = False,
+    extra: dict[str, list[str]] | None = None,
 ) -> list[dict]:
     """Rows ``{prompt, response, <score_name>, ground_truth}``; with ``observations``
-    (multi-turn) the environment's tokens are shown in the response too."""
+    (multi-turn) the environment's tokens are shown in the response too; ``extra``: more
+    per-sample strings by name (a judge's verdicts)."""
     trainer = ctx.spec.trainer
     if not trainer.sample_interval or K.PROMPT_TEXT not in batch.keys():
         return []
@@ -33,5 +35,6 @@ def logged_samples(
     return [
         {"prompt": prompts[r], "response": text, score_name: round(float(scores[r]), 4)}
         | ({"ground_truth": truths[r]} if truths is not None else {})
+        | {name: values[r] for name, values in (extra or {}).items()}
         for r, text in zip(rows, responses)
     ]
