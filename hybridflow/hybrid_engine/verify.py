@@ -93,3 +93,15 @@ def verify(
         "weight_sync/probe_diff_max": diff,
         "timing/weight_verify": time.perf_counter() - start,
     }
+
+
+def rollout_pool_check(model: str, spec, tokenizer):
+    """The check of each load into a standalone rollout pool's engine (sync path
+    ``rollout_pool``), as ``publish.receive`` calls it: ``check(engine, probe, version)``.
+    ``spec``: the model's ``ModelSpec``."""
+
+    def check(engine: RolloutEngine, probe: torch.Tensor, version: int) -> dict[str, float]:
+        return verify(probe, engine, tokenizer, path="rollout_pool", model=model,
+                      engine=spec.rollout.engine, version=version, dtype=spec.train.dtype)
+
+    return check

@@ -232,14 +232,7 @@ class ModelWorker(Worker):
     def receive_weights(self, *, model: str, published: list) -> dict[str, float]:
         """Load (or, with partial rollouts, stage) the weights of one ``publish_weights``."""
         partial = self.spec.trainer.async_.partial_rollout != "off"
-        spec = self.spec.models[model]
-
-        def check(engine: RolloutEngine, probe: torch.Tensor, version: int) -> dict[str, float]:
-            return verify.verify(
-                probe, engine, self.tokenizer, path="rollout_pool", model=model,
-                engine=spec.rollout.engine, version=version, dtype=spec.train.dtype,
-            )
-
+        check = verify.rollout_pool_check(model, self.spec.models[model], self.tokenizer)
         return publish.receive(model, published, self.rollout_engines[model], self.ctx.staged, partial, check)
 
 
