@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hybridflow.engines.base import ModelKind
@@ -130,6 +130,18 @@ class FSDP2TrainEngine(TorchTrainEngine):
             half = len(rows[largest]) // 2
             rows[largest : largest + 1] = [rows[largest][:half], rows[largest][half:]]
         return rows
+
+    def forward(self, batch, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        """The torch engine's no-grad forward, then every module sharded again: FSDP2 keeps
+        the root's gathered parameters (and, with ``reshard_after_forward: false``, every
+        layer's) for a backward that a no-grad forward never runs, so a forward after the
+        update (the weight-sync probe) would leave them whole for the sync's gather."""
+        out = super().forward(batch, temperature)
+        if self._sharded:
+            for module in self.module.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        return out
 
     def _gradient_sync(self, is_last: bool):
         return super()._gradient_sync(True)  # reduce-scatter every micro-batch (module docstring)
