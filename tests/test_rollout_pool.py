@@ -60,7 +60,6 @@ def test_graph_pictures_show_the_rollout_pool_and_how_far_ahead(tmp_path):
         (["models.actor.rollout.pool=gpu"], "models.actor.rollout.pool", "unknown pool 'gpu'"),
         (["models.actor.rollout.pool=train"], "models.actor.rollout.pool", "the one 'actor' trains on"),
         (["models.actor.train.engine=megatron"], "models.actor.rollout.pool", "torch train engine"),
-        (["models.actor.train.lora={rank: 4}"], "models.actor.rollout.pool", "LoRA"),
         (["models.actor.rollout.sync_bucket_mb=0"], "models.actor.rollout.sync_bucket_mb", ""),
         (["trainer.async.partial_rollout=abort", "models.actor.rollout.engine=vllm", "trainer.async.mode=sync"],
          "trainer.async.partial_rollout", "off-policy mode"),
@@ -276,3 +275,33 @@ def test_sync_split_rollout_resumes_and_recovers_bit_for_bit(ray_session, tmp_pa
     assert len({r["reward/mean"] for r in full}) > 1
     for name in ("split", "killed"):
         assert [_non_timing(r) for r in _rows(tmp_path / name)] == full, name
+
+
+def test_a_lora_actor_on_a_rollout_pool_needs_merged_weights():
+    graph = load_graph(SPLIT, ["models.actor.train.lora.rank=4"])
+    assert graph.rollout_pools == {"actor": "rollout"}
+    with pytest.raises(SpecError) as info:
+        load_graph(SPLIT, ["models.actor.train.lora.rank=4", "models.actor.rollout.engine=vllm"])
+    assert info.value.field == "models.actor.rollout.lora_sync" and "merged" in str(info.value)
+    load_graph(SPLIT, ["models.actor.train.lora.rank=4", "models.actor.rollout.engine=vllm",
+                       "models.actor.rollout.lora_sync=merged"])
+
+
+@pytest.mark.slow
+def test_a_lora_actor_generates_on_its_rollout_pool_from_the_merged_weights(ray_session, tmp_path):
+    """A LoRA actor's weights reach the standalone rollout pool with the adapters merged in,
+    each update, one_step_off: the pool's engine samples what the trainer computes (the
+    probe verified after each load, the rollout's recorded log-probs equal to the trainer's
+    on iteration 1), and the adapters learn."""
+    from hybridflow.controller.trainer import Trainer
+
+    overrides = [*SHORT, "trainer.iterations=3", "models.actor.train.lora.rank=8", "trainer.async.mode=one_step_off",
+                 "models.actor.train.optim.lr=0.01"]
+    Trainer(load_graph(SPLIT, overrides), run_dir=str(tmp_path / "run")).fit()
+    rows = _rows(tmp_path / "run")
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    synced = [r for r in rows if "weight_sync/verified" in r]
+    assert synced and all(r["weight_sync/verified"] == 1.0 and r["weight_sync/probe_diff_max"] < 1e-4 for r in synced)
+    assert rows[0]["actor/rollout_log_prob_diff_max"] < 1e-5
+    assert rows[-1]["async/staleness_max"] == 1.0
+    assert len({round(r["actor/pg_loss"], 8) for r in rows}) > 1

@@ -478,8 +478,9 @@ def _resolve_rollout_pools(
     spec: GraphSpec, pools: dict[str, PoolSpec], placement: dict[str, str], file: str, pool_file: str
 ) -> dict[str, str]:
     """Model -> the pool of its standalone rollout engine (``rollout.pool``), checked: a known
-    pool other than the model's, a torch train engine without LoRA (its full weights are what
-    travels), generation tp 1, and a batch that splits over the pool's ranks."""
+    pool other than the model's, a train engine holding the full weights on every rank (they
+    are what travels; a LoRA actor's with its adapters merged in), generation tp 1, and a batch
+    that splits over the pool's ranks."""
     found = {}
     for name, model in spec.models.items():
         rollout = model.rollout
@@ -494,12 +495,18 @@ def _resolve_rollout_pools(
                 f"pool {rollout.pool!r} is the one {name!r} trains on; leave rollout.pool out to "
                 "generate there (the hybrid engine), or name another pool",
             )
-        if not caps_of(model.train).full_weights or model.train.adapters is not None:
+        if not caps_of(model.train).full_weights:
             raise SpecError(
                 file, field_,
                 "a standalone rollout takes the full weights of a train engine that holds them on "
                 f"every rank (such as the torch train engine); {model.train.engine!r} actors that "
-                "shard them and LoRA actors generate on their own pool (leave rollout.pool out)",
+                "shard them generate on their own pool (leave rollout.pool out)",
+            )
+        if model.train.adapters is not None and getattr(rollout, "lora_sync", "merged") != "merged":
+            raise SpecError(
+                file, f"models.{name}.rollout.lora_sync",
+                "a LoRA actor's weights reach a standalone rollout pool with the adapters merged in; "
+                "set rollout.lora_sync: merged",
             )
         if rollout.layout.tp * rollout.layout.pp != 1:
             raise SpecError(file, field_, "a standalone rollout generates at tp = pp = 1 on every rank of its pool")

@@ -26,13 +26,15 @@ SyncCheck = Callable[[RolloutEngine, torch.Tensor, int], dict[str, float]]
 
 
 def publish(engine: TrainEngine, version: int, bucket_mb: float, probe: torch.Tensor | None = None) -> dict:
-    """Put ``engine``'s current weights into the object store in buckets of about
-    ``bucket_mb`` MiB; returns their refs with the weight version, the bytes, and ``probe``
+    """Put ``engine``'s current weights (a LoRA engine's with the adapters merged in) into the
+    object store in buckets of about ``bucket_mb`` MiB; returns their refs with the weight version, the bytes, and ``probe``
     (the trainer's fingerprint of these weights, checked by the receiving ranks)."""
     start = time.perf_counter()
     buckets, bucket, size, total = [], {}, 0, 0
     limit = bucket_mb * 2**20
-    for name, tensor in engine.named_weights():
+    # A LoRA actor's rollout pool holds a plain model: it takes the adapters merged in.
+    weights = engine.merged_weights() if engine.adapter_config() is not None else engine.named_weights()
+    for name, tensor in weights:
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > limit:
             buckets.append(ray.put(bucket))

@@ -275,8 +275,9 @@ class RolloutSpec(Spec):
         "there, on one full model per rank, and after every update the actor's weights travel to "
         "it through Ray's object store in buckets of sync_bucket_mb (cross-pool weight sync, "
         "metrics weight_sync/*). null: the actor's own pool (the hybrid engine). With "
-        "trainer.async.mode one_step_off, generation k+1 then runs during update k. Needs the torch "
-        "train engine without LoRA and generation tp 1.",
+        "trainer.async.mode one_step_off, generation k+1 then runs during update k. Needs a train "
+        "engine holding the full weights on every rank (torch; a LoRA actor's travel with the "
+        "adapters merged in: vllm's lora_sync merged) and generation tp 1.",
     )
     sync_bucket_mb: float = Field(
         64.0,
