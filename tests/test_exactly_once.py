@@ -30,6 +30,7 @@ SMALL = [
     f"trainer.iterations={ITERATIONS}", "trainer.save_interval=1", "trainer.val_interval=0",
     "trainer.sample_interval=0", "trainer.progress=false", "trainer.save_final=false",
     f"data.prompts_per_iteration={PROMPTS}", "models.actor.rollout.n=4",
+    f"resources={ROOT / 'resource_pools' / 'one_cpu.yaml'}",  # one worker process to start
 ]
 MODES = {
     "one_step_off": ["trainer.async.mode=one_step_off"],
