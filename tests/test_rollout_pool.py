@@ -146,10 +146,11 @@ def test_split_rollout_streaming_overlaps_syncs_and_resumes(ray_session, tmp_pat
         assert row["weight_sync/buckets"] == 4.0 and row["weight_sync/bytes"] == syncs[0]["weight_sync/bytes"] > 0
 
 
-def test_ahead_generation_keeps_k_batches_queued_and_reports_the_oldest_position(monkeypatch):
+def test_ahead_generation_keeps_k_batches_queued_and_checkpoints_them(monkeypatch):
     """The bookkeeping of generation ahead (streaming, K = 2), launches recorded instead of
-    submitted: K batches queued after each take, none past the run's end, and the checkpointed
-    position is the dataset's before the oldest queued batch."""
+    submitted: K batches queued after each take, none past the run's end; the checkpointed
+    state is the dataset's position after the queued batches and the batches themselves, which
+    a restore queues again (an older checkpoint's position before them draws them again)."""
     from hybridflow.controller import ahead
 
     class Counter:  # a dataset: batch i is the number i
@@ -166,24 +167,34 @@ def test_ahead_generation_keeps_k_batches_queued_and_reports_the_oldest_position
         def load_state_dict(self, state):
             self.position = state["position"]
 
+    class Put:  # a batch in the object store
+        def __init__(self, batch):
+            self.batch = batch
+
+        def fetch(self):
+            return self.batch
+
     launched = []
-    monkeypatch.setattr(ahead, "launch", lambda graph, nodes, groups, prompts: launched.append(prompts) or {"gen": prompts})
+    monkeypatch.setattr(ahead, "launch", lambda graph, nodes, groups, prompts: launched.append(prompts.batch) or {})
     monkeypatch.setattr(ahead, "generation_nodes", lambda graph: [])
     dataset = Counter()
-    gen = ahead.AheadGeneration(None, dataset, put=lambda batch: batch, depth=2)
+    gen = ahead.AheadGeneration(None, dataset, put=Put, depth=2)
     taken = []
     for iteration in range(1, 6):
         prompts, nodes = gen.take({}, remaining=5 - iteration)
-        taken.append(prompts)
-        assert nodes == {"gen": prompts}
+        taken.append(prompts.batch)
         assert gen.queued == min(2, 5 - iteration)
-        if iteration == 2:
-            assert gen.state_dict() == {"position": 2}  # batches 3 and 4 queued: drawn again on resume
+        if iteration == 2:  # batches 3 and 4 queued: saved with the checkpoint
+            saved = gen.state_dict()
+            assert saved == {"dataset": {"position": 4},
+                             "buffered": [{"prompts": 3, "nodes": {}}, {"prompts": 4, "nodes": {}}]}
     assert taken == [1, 2, 3, 4, 5] and launched == [1, 2, 3, 4, 5]
-    assert gen.state_dict() == {"position": 5}
-    gen.take({}, remaining=3)  # after a restore to position 1: the queue is dropped, drawn again
+    assert gen.state_dict() == {"dataset": {"position": 5}, "buffered": []}
+    gen.load_state_dict(saved)
+    assert gen.queued == 2 and [gen.take({}, remaining=3)[0].batch for _ in range(3)] == [3, 4, 5]
+    assert launched == [1, 2, 3, 4, 5, 5, 6, 7]  # 3 and 4 came back, not generated again
     gen.load_state_dict({"position": 1})
-    assert gen.queued == 0 and gen.take({}, remaining=3)[0] == 2
+    assert gen.queued == 0 and gen.take({}, remaining=3)[0].batch == 2
 
 
 @pytest.mark.slow
