@@ -266,12 +266,11 @@ def test_one_step_off_with_rollout_correction_survives_a_worker_crash(ray_sessio
 
     - generation k+1 goes before update k: samples are one update old, and the correction sees
       pi_old differ from the sampler (IS weights != 1, within (0, 2]);
-    - at staleness 0 (iteration 1, and the first after the restore) pi_old = pi_rollout (the
-      transformers rollout shares the actor's module): weights 1 to 1e-3, nothing clipped,
-      masked or rejected;
-    - the workers restart, the run goes back to iteration 2, drops the buffered generation and
-      draws its prompts again (the checkpoint counts trained batches only): iteration i trains
-      the dataset's i-th batch (its logged samples answer that batch's prompts).
+    - at staleness 0 (iteration 1) pi_old = pi_rollout (the transformers rollout shares the
+      actor's module): weights 1 to 1e-3, nothing clipped, masked or rejected;
+    - the workers restart, the run goes back to iteration 2 and trains the generation saved
+      with it (one update old, as before the crash): iteration i trains the dataset's i-th
+      batch (its logged samples answer that batch's prompts).
     """
     from checkpoint_harness import assert_each_batch_trained_once, kill_worker_after
 
@@ -289,9 +288,9 @@ def test_one_step_off_with_rollout_correction_survives_a_worker_crash(ray_sessio
     assert trainer.fit()["restarts"] == 1
     rows = _rows(run_dir)
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]
-    # back at 2, the first iteration after the restore regenerates: staleness 0 there
-    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 1.0]
-    assert [r["async/staleness_mean"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 1.0]
+    # back at 2, the first iteration after the restore trains the generation saved at 2
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [r["async/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
     for row in rows:
         w = row["rollout_corr/is_weight_mean"]
         assert 0.0 < row["rollout_corr/is_weight_min"] <= w <= row["rollout_corr/is_weight_max"] <= 2.0

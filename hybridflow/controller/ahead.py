@@ -22,10 +22,16 @@ a standalone vLLM rollout takes them between two decoding steps of the generatio
 its samples then end on newer weights than they started with (``weight_version_last``), and a
 generation queued behind starts on them, so staleness is at most K and often less.
 
-Checkpoints: the buffered generations are not saved. ``AheadGeneration`` stands in for the
-dataset among the checkpoint's components and reports the dataset's position *before* the
-oldest buffered batch's prompts were drawn, so a resumed or recovered run draws them again and
-regenerates them (from the restored weights): no prompt is skipped or trained twice.
+Checkpoints: ``AheadGeneration`` stands in for the dataset among the checkpoint's components
+and saves the buffered generations with the dataset's position after their prompts: their
+prompts, each generation node's per-rank output and metas (waiting for them to finish; the
+controller fetches rollout tensors here and nowhere else). A resumed or recovered run trains
+exactly those samples next, sampled from the weights before the checkpoint as in the run that
+was not stopped, and the workers' restored RNG streams are where the buffered generations left
+them: no prompt is skipped or trained twice, and a transformers rollout's run continues as the
+uninterrupted one would, metric for metric. (A checkpoint without them, written by an older
+hybridflow, holds the position before the oldest buffered prompts: those are drawn and
+generated again.)
 """
 
 from __future__ import annotations
@@ -33,10 +39,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from hybridflow.controller.executor import launch
+import ray
+
+from hybridflow.controller.executor import launch, relaunch
 from hybridflow.data.datasets import PromptDataset
 from hybridflow.graph.dag import Graph, generation_nodes
 from hybridflow.workers.sharded import ShardedRef
+from hybridflow.workers.wire import from_wire
 
 
 class AheadGeneration:
@@ -50,20 +59,19 @@ class AheadGeneration:
         self.put = put
         self.depth = depth
         self.nodes = generation_nodes(graph)
-        # (the dataset's state before the batch's prompts were drawn, prompts, launched nodes)
-        self._buffered: deque[tuple[dict, ShardedRef, dict]] = deque()
+        # (prompts, launched nodes) of the next iterations, oldest first
+        self._buffered: deque[tuple[ShardedRef, dict]] = deque()
 
-    def _launch(self, groups: dict) -> tuple[dict, ShardedRef, dict]:
-        before = self.dataset.state_dict()
+    def _launch(self, groups: dict) -> tuple[ShardedRef, dict]:
         prompts = self.put(self.dataset.next_batch())
-        return before, prompts, launch(self.graph, self.nodes, groups, prompts)
+        return prompts, launch(self.graph, self.nodes, groups, prompts)
 
     def take(self, groups: dict, remaining: int) -> tuple[ShardedRef, dict]:
         """This iteration's prompts and launched generation nodes (launched now if none is
         buffered: the first iteration, or after a restore); then the generations of the next
         iterations are submitted, up to ``depth`` of them and no more than the ``remaining``
         iterations after this one, ahead of anything this iteration submits later."""
-        _, prompts, launched = self._buffered.popleft() if self._buffered else self._launch(groups)
+        prompts, launched = self._buffered.popleft() if self._buffered else self._launch(groups)
         while len(self._buffered) < min(self.depth, remaining):
             self._buffered.append(self._launch(groups))
         return prompts, launched
@@ -74,9 +82,30 @@ class AheadGeneration:
         return len(self._buffered)
 
     def state_dict(self) -> dict:
-        return self._buffered[0][0] if self._buffered else self.dataset.state_dict()
+        """The dataset's position and the buffered generations, finished (waited for)."""
+        buffered = []
+        for prompts, launched in self._buffered:
+            nodes = {}
+            for name, pending in launched.items():
+                data, metas = pending.handle.result()
+                nodes[name] = {
+                    "data": [from_wire(shard) for shard in ray.get(list(data.refs))],
+                    "metas": metas,
+                    "all_metas": ray.get(list(pending.handle.all_meta_refs)) or metas,
+                    "group_size": pending.group_size,
+                }
+            buffered.append({"prompts": prompts.fetch(), "nodes": nodes})
+        return {"dataset": self.dataset.state_dict(), "buffered": buffered}
 
     def load_state_dict(self, state: dict) -> None:
-        """Back to ``state``; buffered generations (of workers that may be gone) are dropped."""
+        """Back to ``state``: the buffered generations in it replace those held (of workers that
+        may be gone); they are put into the object store again."""
         self._buffered.clear()
-        self.dataset.load_state_dict(state)
+        if "buffered" not in state:  # an older checkpoint: the position before the buffered prompts
+            self.dataset.load_state_dict(state)
+            return
+        self.dataset.load_state_dict(state["dataset"])
+        for saved in state["buffered"]:
+            launched = {name: relaunch(node["data"], node["metas"], node["all_metas"], node["group_size"])
+                        for name, node in saved["nodes"].items()}
+            self._buffered.append((self.put(saved["prompts"]), launched))

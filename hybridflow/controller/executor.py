@@ -47,13 +47,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
+from tensordict import TensorDictBase
 
 from hybridflow.controller.metrics import reduce_metas
 from hybridflow.graph.dag import SOURCE, Graph, Node, refilled_nodes, samples_per_prompt
 from hybridflow.spec.layout import ParallelLayout
 from hybridflow.workers.group import WorkerGroup
 from hybridflow.workers.accounting import FETCHED_BYTES, PUT_BYTES, controller_get, fetched_tensor_bytes
-from hybridflow.workers.sharded import ShardedRef
+from hybridflow.workers.sharded import PendingShards, ShardedRef
+from hybridflow.workers.wire import to_wire
 
 RUN_OP = "run_op"  # the worker method every node is run through (ModelWorker.run_op)
 FETCHED_BYTES_METRIC = "controller/fetched_tensor_bytes"
@@ -137,6 +139,15 @@ def launch(graph: Graph, nodes: list[Node], groups: dict[str, WorkerGroup], prom
     to ``run_nodes(..., launched=...)`` later. Their worker groups run them before any call
     submitted after this one."""
     return {node.name: _submit(graph, node, groups, [(prompts, 1)]) for node in nodes}
+
+
+def relaunch(data: list[TensorDictBase], metas: list[dict], all_metas: list[dict], group_size: int) -> _Pending:
+    """A launched node's finished output brought back (a checkpoint's buffered generation):
+    its per-rank shards ``data`` and metas put into the object store again, to hand to
+    ``run_nodes(..., launched=...)`` as if the node had just finished."""
+    handle = PendingShards(data_refs=[ray.put(to_wire(td)) for td in data], meta_refs=[ray.put(m) for m in metas],
+                           all_meta_refs=[ray.put(m) for m in all_metas])
+    return _Pending(handle, time.perf_counter(), group_size, group=None, ahead=None)
 
 
 def run_nodes(

@@ -11,6 +11,8 @@
   kept in ``RUN_DIR/mlflow/run_id`` so that a resumed run continues the same MLflow run.
 - ``samples.jsonl``: every ``trainer.sample_interval`` iterations, a few generations decoded on
   the workers (prompt, response, reward) so a user can read what the model says.
+- ``prompts.jsonl`` (always): per iteration, the uids of the prompts it trained on
+  (``PromptLog``): a resumed or recovered run's record that no prompt was skipped or trained twice.
 
 The controller only ever sees small dicts here: metrics and a handful of strings from the score
 workers' meta, never rollout tensors.
@@ -230,14 +232,47 @@ class SampleWriter:
 
     def rewind(self, iteration: int) -> None:
         """Drop the rows of the iterations after ``iteration``: they are written again."""
-        if not self.path.exists():
-            return
-        lines = self.path.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if line.strip() and json.loads(line)["iteration"] <= iteration]
-        if len(kept) != len(lines):
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(kept))
-            tmp.replace(self.path)
+        rewind_rows(self.path, iteration)
+
+
+def rewind_rows(path: Path, iteration: int) -> None:
+    """Keep the whole rows of ``path`` (JSON lines with an ``iteration``) up to ``iteration``.
+    A line cut short (the controller killed while appending it) is dropped, not an error."""
+    if not path.exists():
+        return
+    lines = path.read_bytes().splitlines(keepends=True)
+
+    def kept(line: bytes) -> bool:
+        try:
+            row = json.loads(line) if line.endswith(b"\n") else None
+        except ValueError:
+            return False
+        return isinstance(row, dict) and row.get("iteration", iteration + 1) <= iteration
+
+    rows = [line for line in lines if kept(line)]
+    if len(rows) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(b"".join(rows))
+        os.replace(tmp, path)
+
+
+class PromptLog:
+    """``prompts.jsonl``: per iteration, ``{"iteration": N, "uids": [...]}``, the uids of the
+    prompts whose samples that iteration's training nodes trained on (after any filter),
+    sorted. A uid is the prompt's place in the run's stream of drawn prompts (0, 1, ... across
+    epochs, restored with the data position): the same prompt draw has the same uid in every
+    run of the graph, so a uid listed twice was trained twice and a missing one was skipped."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, iteration: int, metas_by_node: dict[str, Iterable[dict]]) -> None:
+        uids = {uid for metas in metas_by_node.values() for meta in metas for uid in meta.get("trained_uids", ())}
+        with self.path.open("a") as f:
+            f.write(json.dumps({"iteration": iteration, "uids": sorted(uids)}) + "\n")
+
+    def rewind(self, iteration: int) -> None:
+        rewind_rows(self.path, iteration)
 
 
 def samples_from_metas(metas_by_node: dict[str, Iterable[dict]]) -> dict[str, list[dict]]:
@@ -274,17 +309,20 @@ class RunLoggers:
         self.samples = SampleWriter(
             run_dir / "samples.jsonl", trainer.sample_interval, iterations, trainer.num_logged_samples
         )
+        self.prompts = PromptLog(run_dir / "prompts.jsonl")
 
     def log(self, record: dict, metas_by_node: dict[str, Iterable[dict]] | None = None) -> None:
         for logger in self.loggers:
             logger.log(record)
         if metas_by_node is not None:
             self.samples.write(int(record["iteration"]), samples_from_metas(metas_by_node))
+            self.prompts.write(int(record["iteration"]), metas_by_node)
 
     def rewind(self, iteration: int) -> None:
         """Back to the end of ``iteration`` (a checkpoint's): every per-iteration file but
         metrics.jsonl, which the checkpointer cuts itself, and events.jsonl, the audit log."""
         self.samples.rewind(iteration)
+        self.prompts.rewind(iteration)
         for logger in self.loggers:
             if hasattr(logger, "rewind"):
                 logger.rewind(iteration)

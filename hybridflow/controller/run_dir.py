@@ -4,6 +4,7 @@
     RUN_DIR/tokenizer/     the tokenizer, saved for the workers (and for using the saved actor)
     RUN_DIR/metrics.jsonl  one row of metrics per iteration (controller/loggers.py)
     RUN_DIR/samples.jsonl  a few decoded generations every trainer.sample_interval iterations
+    RUN_DIR/prompts.jsonl  the uids of the prompts each iteration trained on (controller/loggers.py)
     RUN_DIR/events.jsonl   worker losses and recoveries (controller/recovery.py)
     RUN_DIR/trace/         Chrome traces of every trainer.trace_interval-th iteration
     RUN_DIR/checkpoints/   checkpoints (controller/checkpoint.py)

@@ -303,7 +303,7 @@ class Trainer:
         tokenizer.save_pretrained(self.dirs.tokenizer)
         depth = spec.trainer.async_.ahead
         self.ahead = AheadGeneration(self.graph, self.dataset, self._put, depth) if depth else None
-        # Generation ahead: the dataset's position before the buffered generations' prompts.
+        # Generation ahead: the dataset's position and the buffered generations (controller/ahead.py).
         self.checkpointer.components.update(dataset=self.ahead or self.dataset, guard=self.nan_guard)
         self.checkpointer.mark_start()
         self.logger = RunLoggers(spec.trainer, self.run_dir, self.graph.file, name=spec.name)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from hybridflow.data import keys
 from hybridflow.engines.base import ROLLOUT_ENGINES, TRAIN_ENGINES, RolloutEngine, TrainEngine
 from hybridflow.engines.lora import BaseModelEngine
 from hybridflow.engines.models import build_causal_lm, build_value_model
@@ -152,6 +153,10 @@ class ModelWorker(Worker):
         # the idle models' state goes to CPU memory, rollout engines too unless the op generates
         moves = self.colocation.activate(resolved.model, generates=op.runs_rollout_engine)
         out, meta = op.load_body(resolved.role)(self.ctx, batch, resolved)
+        if op.trains and keys.UID in batch.keys():
+            # the prompts (or pairs) this rank trained on, for the controller's prompts.jsonl (a
+            # padded rank's copied group is another rank's too: the controller takes the union)
+            meta = {**meta, "trained_uids": sorted(set(batch[keys.UID].tolist()))}
         return out, {**meta, **moves}
 
     @register(Dispatch.ONE_TO_ALL)
