@@ -26,7 +26,7 @@ from hybridflow.hybrid_engine.sync import WeightSync, weight_sync
 from hybridflow.rewards.remote import RewardSources
 from hybridflow.spec.graph import Spec
 from hybridflow.spec.layout import GenerationLayout, ParallelLayout, RankCoords
-from hybridflow.workers import algo_steps, checkpointing
+from hybridflow.workers import algo_steps, checkpointing, recording
 from hybridflow.workers.base import Worker
 from hybridflow.workers.colocation import Colocation
 from hybridflow.workers.context import WorkerContext
@@ -56,6 +56,8 @@ class ModelWorker(Worker):
 
         self.graph = graph
         self.spec = graph_spec = graph.spec
+        # What builds this host's engines again outside a run (``hybridflow replay``).
+        self.host_args = {"models": list(models), "rollouts": list(rollouts), "total_steps": total_steps}
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
         seed = graph_spec.trainer.seed
         self.train_engines: dict[str, TrainEngine] = {}
@@ -141,20 +143,26 @@ class ModelWorker(Worker):
 
     @register(Dispatch.DP_3D)
     def run_op(
-        self, batch: TensorDict, *, node: str, coords: RankCoords, options: Spec | None = None
+        self, batch: TensorDict, *, node: str, coords: RankCoords, options: Spec | None = None,
+        record: str | None = None,
     ) -> tuple[TensorDict, dict]:
         """Run graph node ``node`` on this rank's part of its batch, through the body its op
         record names. The batch is this rank's data-parallel chunk under the node's layout
         (``Graph.dispatch_layout``; ``coords``: where this rank sits in it), the same on every
         tensor/pipeline peer. ``options``: this call's options when they differ from the
-        node's in the graph (validation generates greedily)."""
+        node's in the graph (validation generates greedily). ``record``: a directory to record
+        this call in, for ``hybridflow replay`` (``workers.recording``)."""
         resolved = self.graph.node(node)
         if options is not None:
             resolved = replace(resolved, spec=resolved.spec.model_copy(update={"options": options}))
         op = self.graph.op(resolved)
         # the idle models' state goes to CPU memory, rollout engines too unless the op generates
         moves = self.colocation.activate(resolved.model, generates=op.generates)
+        if record is not None:
+            recording.record_inputs(record, self.ctx, resolved, batch, self.host_args)
         out, meta = op.load_body(resolved.role)(self.ctx, batch, resolved)
+        if record is not None:
+            recording.record_outputs(record, self.ctx, resolved, out, meta)
         return out, {**meta, **moves}
 
     @register(Dispatch.ONE_TO_ALL)
