@@ -22,7 +22,7 @@ _ITERATION_DIR = re.compile(r"iter_(\d+)")
 
 
 def add_parser(sub) -> None:
-    rp = sub.add_parser("replay", help="run a recorded node's body again without Ray and compare its outputs")
+    rp = sub.add_parser("replay", help="run a recorded node call again in plain processes and compare its outputs")
     rp.add_argument("run_dir", metavar="RUN_DIR", help="run directory of a run with trainer.record")
     rp.add_argument("--iteration", type=int, required=True, help="recorded iteration")
     rp.add_argument("--node", required=True, help="recorded node name")
