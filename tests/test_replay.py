@@ -130,9 +130,9 @@ def ppo_run(ray_session, tmp_path_factory) -> Path:
 def test_grpo_update_actor_at_dp2_replays_exactly(grpo_run, capsys):
     info = json.loads((record_dir(grpo_run, 2, "update_actor") / INFO).read_text())
     assert info["world_size"] == 2 and info["options"]["clip_ratio"] == 0.2
-    assert main(["replay", str(grpo_run), "--iteration", "2", "--node", "update_actor"]) == 0
+    code = main(["replay", str(grpo_run), "--iteration", "2", "--node", "update_actor"])
     out = capsys.readouterr().out.splitlines()
-    assert out[-3:] == ["rank 0: equal", "rank 1: equal", "equal"], out
+    assert code == 0 and out[-3:] == ["rank 0: equal", "rank 1: equal", "equal"], out
 
 
 @pytest.mark.slow
@@ -158,8 +158,9 @@ def test_pdb_stops_in_the_ranks_body(grpo_run):
 @pytest.mark.slow
 @pytest.mark.parametrize("node", ["advantage", "update_actor"])
 def test_ppo_nodes_replay_exactly(ppo_run, capsys, node):
-    assert main(["replay", str(ppo_run), "--iteration", "2", "--node", node]) == 0
-    assert capsys.readouterr().out.splitlines()[-2:] == ["rank 0: equal", "equal"]
+    code = main(["replay", str(ppo_run), "--iteration", "2", "--node", node])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0 and out[-2:] == ["rank 0: equal", "equal"], out
 
 
 @pytest.mark.slow

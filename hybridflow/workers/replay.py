@@ -107,11 +107,13 @@ def replay(path: str | Path, tokenizer_dir: str, rank: int = 0, debug: bool = Fa
     try:
         differences = {rank: replay_rank(path, rank, port, tokenizer_dir, debug)}
         while len(differences) < world_size:
+            ended = not any(p.is_alive() for p in others)  # before the get: a result may be on its way
             try:
                 other, difference, error = results.get(timeout=5.0)
             except queue.Empty:
-                if not any(p.is_alive() for p in others):
-                    raise ReplayError("a replay process ended without a result") from None
+                if ended:
+                    codes = {p.name: p.exitcode for p in others}
+                    raise ReplayError(f"a replay process ended without a result (exit codes {codes})") from None
                 continue
             if error is not None:
                 raise ReplayError(f"rank {other}'s replay raised:\n{error}")
