@@ -49,6 +49,7 @@ def test_short_grpo_run_learns_and_logs(ray_session, tmp_path):
     assert max(rewards) - min(rewards) > 0.0, "the reward never moved"
     assert rows[-1]["actor/kl"] > 0.0  # the actor left the reference
     assert summary["iterations"] == 12
+    assert not (tmp_path / "run" / "record").exists()  # trainer.record unset: nothing recorded
 
     # The actor's parameters changed: the saved HF model differs from its initial weights.
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "tokenizer")

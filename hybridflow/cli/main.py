@@ -11,6 +11,7 @@
     hybridflow docs [--check]
     hybridflow plot RUN_DIR [RUN_DIR ...] [--out FILE.png] [--x iteration|wall]
     hybridflow eval graphs/grpo_smollm2.yaml [--actor RUN_DIR] [--k 8] [--json FILE]
+    hybridflow replay RUN_DIR --iteration N --node NAME [--rank R] [--pdb]
 
 A user mistake (bad file, field, override or data row) prints one line naming the file and the
 field and exits with code 2. Heavy packages (Ray, engines) load only for ``run``.
@@ -94,8 +95,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", help="with --ray-serve: join this Ray cluster instead of starting a local one")
 
     from hybridflow.cli import eval as eval_cli  # its own module: hybridflow eval
+    from hybridflow.cli import replay as replay_cli  # and hybridflow replay
 
     eval_cli.add_parser(sub)
+    replay_cli.add_parser(sub)
     return parser
 
 

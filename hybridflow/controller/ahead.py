@@ -52,9 +52,12 @@ class AheadGeneration:
     """The prompts and submitted generations of the next ``depth`` iterations at most."""
 
     def __init__(
-        self, graph: Graph, dataset: PromptDataset, put: Callable[[object], ShardedRef], depth: int = 1
+        self, graph: Graph, dataset: PromptDataset, put: Callable[[object], ShardedRef], depth: int = 1,
+        record: Callable[[int], dict[str, str]] | None = None,
     ) -> None:
+        """``record``: an iteration's nodes to record -> their directories (``run_nodes``)."""
         self.graph = graph
+        self.record = record
         self.dataset = dataset
         self.put = put
         self.depth = depth
@@ -62,18 +65,21 @@ class AheadGeneration:
         # (prompts, launched nodes) of the next iterations, oldest first
         self._buffered: deque[tuple[ShardedRef, dict]] = deque()
 
-    def _launch(self, groups: dict) -> tuple[ShardedRef, dict]:
+    def _launch(self, groups: dict, iteration: int | None) -> tuple[ShardedRef, dict]:
         prompts = self.put(self.dataset.next_batch())
-        return prompts, launch(self.graph, self.nodes, groups, prompts)
+        record = self.record(iteration) if self.record is not None and iteration is not None else {}
+        return prompts, launch(self.graph, self.nodes, groups, prompts, **({"record": record} if record else {}))
 
-    def take(self, groups: dict, remaining: int) -> tuple[ShardedRef, dict]:
+    def take(self, groups: dict, remaining: int, iteration: int | None = None) -> tuple[ShardedRef, dict]:
         """This iteration's prompts and launched generation nodes (launched now if none is
         buffered: the first iteration, or after a restore); then the generations of the next
         iterations are submitted, up to ``depth`` of them and no more than the ``remaining``
-        iterations after this one, ahead of anything this iteration submits later."""
-        prompts, launched = self._buffered.popleft() if self._buffered else self._launch(groups)
+        iterations after this one, ahead of anything this iteration submits later.
+        ``iteration``: this iteration's number, for ``record``."""
+        prompts, launched = self._buffered.popleft() if self._buffered else self._launch(groups, iteration)
         while len(self._buffered) < min(self.depth, remaining):
-            self._buffered.append(self._launch(groups))
+            ahead = None if iteration is None else iteration + len(self._buffered) + 1
+            self._buffered.append(self._launch(groups, ahead))
         return prompts, launched
 
     @property

@@ -86,12 +86,15 @@ class IterationResult:
     outputs: dict[str, NodeResult] = field(default_factory=dict)
 
 
-def _call_args(graph: Graph, node: Node) -> dict:
+def _call_args(graph: Graph, node: Node, record: dict[str, str]) -> dict:
     """Keyword arguments of ``run_op`` for a node: its name, whether its op reads per-sample
-    strings, and its options when they are not the graph's (validation's greedy generate)."""
+    strings, its options when they are not the graph's (validation's greedy generate), and
+    the directory to record it in when ``record`` (node name -> directory) names it."""
     kwargs = {"node": node.name, "with_text": graph.op(node).text}
     if node.spec != graph.node(node.name).spec:
         kwargs["options"] = node.spec.options
+    if node.name in record:
+        kwargs["record"] = record[node.name]
     return kwargs
 
 
@@ -120,13 +123,16 @@ def _predict_output(
     return ShardedRef(refs=list(handle.data_refs), sizes=[rows] * layout.dp)
 
 
-def _submit(graph: Graph, node: Node, groups: dict[str, WorkerGroup], inputs: list[tuple[ShardedRef, int]]) -> _Pending:
+def _submit(
+    graph: Graph, node: Node, groups: dict[str, WorkerGroup], inputs: list[tuple[ShardedRef, int]],
+    record: dict[str, str],
+) -> _Pending:
     """Submit ``node`` on its group with its producers' outputs (and their group sizes)."""
     group = groups[graph.pool_of(node)]
     group_size = max(size for _, size in inputs)
     data = [sharded for sharded, _ in inputs]
     layout = graph.dispatch_layout(node)
-    handle = group.call(RUN_OP, data, group_size=group_size, layout=layout, **_call_args(graph, node))
+    handle = group.call(RUN_OP, data, group_size=group_size, layout=layout, **_call_args(graph, node, record))
     output_group_size = samples_per_prompt(graph.spec, node, group_size)
     return _Pending(
         handle, time.perf_counter(), output_group_size, group,
@@ -134,11 +140,14 @@ def _submit(graph: Graph, node: Node, groups: dict[str, WorkerGroup], inputs: li
     )
 
 
-def launch(graph: Graph, nodes: list[Node], groups: dict[str, WorkerGroup], prompts: ShardedRef) -> dict[str, _Pending]:
+def launch(
+    graph: Graph, nodes: list[Node], groups: dict[str, WorkerGroup], prompts: ShardedRef,
+    record: dict[str, str] | None = None,
+) -> dict[str, _Pending]:
     """Submit ``nodes`` (each reading only the prompts) now, without waiting; hand the result
     to ``run_nodes(..., launched=...)`` later. Their worker groups run them before any call
-    submitted after this one."""
-    return {node.name: _submit(graph, node, groups, [(prompts, 1)]) for node in nodes}
+    submitted after this one. ``record``: as for ``run_nodes``."""
+    return {node.name: _submit(graph, node, groups, [(prompts, 1)], record or {}) for node in nodes}
 
 
 def relaunch(data: list[TensorDictBase], metas: list[dict], all_metas: list[dict], group_size: int) -> _Pending:
@@ -159,6 +168,7 @@ def run_nodes(
     serial: bool = False,
     more_prompts: Callable[[], ShardedRef] | None = None,
     launched: dict[str, _Pending] | None = None,
+    record: dict[str, str] | None = None,
 ) -> IterationResult:
     """Run ``nodes`` (a topologically ordered subset of the graph) on ``prompts``.
 
@@ -167,16 +177,19 @@ def run_nodes(
     sampling, see ``run_refilling``); needed only when ``nodes`` hold one.
     ``launched``: nodes of ``nodes`` already submitted on ``prompts`` (``launch``), e.g. an
     iteration ago (one-step off-policy); they are waited for, not submitted again.
+    ``record``: node name -> directory: those nodes' workers record their inputs, state and
+    outputs there (``trainer.record``; ``hybridflow.workers.recording``).
     """
+    record = record or {}
     refilling = [node for node in nodes if graph.op(node).refills]
     given = {SOURCE: NodeResult(prompts, 1, [], time.perf_counter(), time.perf_counter())}
     if not refilling:
-        return _run(graph, nodes, groups, given, serial, launched or {})
+        return _run(graph, nodes, groups, given, serial, record, launched or {})
     if launched:
         raise ValueError("a graph with a refilling node cannot run its generation ahead")
     if more_prompts is None:
         raise ValueError(f"node {refilling[0].name!r} refills its batch: run_nodes needs more_prompts")
-    return run_refilling(graph, nodes, refilling[0], groups, prompts, serial, more_prompts)
+    return run_refilling(graph, nodes, refilling[0], groups, prompts, serial, more_prompts, record)
 
 
 def run_refilling(
@@ -187,6 +200,7 @@ def run_refilling(
     prompts: ShardedRef,
     serial: bool,
     more_prompts: Callable[[], ShardedRef],
+    record: dict[str, str],
 ) -> IterationResult:
     """Dynamic sampling: run the nodes before ``filt`` (its ancestors) and ``filt`` itself on
     ``prompts``, then on fresh prompts, round after round, until the kept groups fill a batch
@@ -212,7 +226,7 @@ def run_refilling(
     for round_index in range(rounds):
         batch = prompts if round_index == 0 else more_prompts()
         now = time.perf_counter()
-        done = _run(graph, upstream, groups, {SOURCE: NodeResult(batch, 1, [], now, now)}, serial)
+        done = _run(graph, upstream, groups, {SOURCE: NodeResult(batch, 1, [], now, now)}, serial, record)
         out = done.outputs[filt.name]
         size = out.group_size
         kept = [int(meta["kept_rows"]) for meta in out.metas]
@@ -237,7 +251,7 @@ def run_refilling(
     merged.metrics.update({f"filter/{name}_groups": float(value) for name, value in counts.items()})
     now = time.perf_counter()
     filtered = NodeResult(ShardedRef(refs=refs, sizes=sizes), size, merged.outputs[filt.name].metas, now, now)
-    rest = _run(graph, downstream, groups, {filt.name: filtered}, serial)
+    rest = _run(graph, downstream, groups, {filt.name: filtered}, serial, record)
     for key, value in rest.metrics.items():
         merged.metrics[key] = merged.metrics.get(key, 0.0) + value if _additive(key) else value
     merged.timeline += rest.timeline
@@ -265,6 +279,7 @@ def _run(
     groups: dict[str, WorkerGroup],
     given: dict[str, NodeResult],
     serial: bool,
+    record: dict[str, str],
     launched: dict[str, _Pending] | None = None,
 ) -> IterationResult:
     """Run ``nodes`` whose producers are among them or in ``given`` (finished results);
@@ -296,7 +311,7 @@ def _run(
             inputs = [input_of(src, group) for src in producers_of(node)]
             if any(item is None for item in inputs):
                 continue
-            pending[node.name] = _submit(graph, node, groups, inputs)
+            pending[node.name] = _submit(graph, node, groups, inputs, record)
             remaining.remove(node)
         if not pending:
             raise RuntimeError(f"nodes {[n.name for n in remaining]} can never run")

@@ -67,6 +67,7 @@ from hybridflow.spec.engines import caps_of
 from hybridflow.spec.loading import SpecError
 from hybridflow.workers.accounting import controller_get
 from hybridflow.workers.group import WorkerGroup
+from hybridflow.workers import recording
 from hybridflow.workers.model_worker import ModelWorker
 from hybridflow.workers.sharded import ShardedRef
 
@@ -205,13 +206,13 @@ class Trainer:
         t0 = time.perf_counter()
         options = self.spec.trainer
         if self.ahead is not None:  # generation k+K goes before update k
-            prompts, launched = self.ahead.take(self.groups, remaining=options.iterations - iteration)
+            prompts, launched = self.ahead.take(self.groups, remaining=options.iterations - iteration, iteration=iteration)
         else:
             prompts, launched = self._put(self.dataset.next_batch()), None
         result = run_nodes(
             self.graph, list(self.graph.nodes), self.groups, prompts, serial=options.serial,
             more_prompts=lambda: self._put(self.dataset.next_batch()),  # dynamic sampling's refills
-            launched=launched,
+            launched=launched, record=self._record(iteration),
         )
         if options.trace_interval and iteration % options.trace_interval == 0:
             trace_file = self.dirs.trace(iteration)
@@ -236,6 +237,13 @@ class Trainer:
         self.logger.log(metrics, {name: out.metas for name, out in result.outputs.items()})
         self.history.append(metrics)
         return metrics
+
+    def _record(self, iteration: int) -> dict[str, str]:
+        """``trainer.record``'s nodes at ``iteration`` -> the directories they record into."""
+        record = self.spec.trainer.record
+        if record is None or iteration not in record.iterations:
+            return {}
+        return {name: str(recording.record_dir(self.run_dir.resolve(), iteration, name)) for name in record.nodes}
 
     # -- phases -----------------------------------------------------------------------------
 
@@ -302,7 +310,7 @@ class Trainer:
         self.dirs.write_resolved_config(self.graph)
         tokenizer.save_pretrained(self.dirs.tokenizer)
         depth = spec.trainer.async_.ahead
-        self.ahead = AheadGeneration(self.graph, self.dataset, self._put, depth) if depth else None
+        self.ahead = AheadGeneration(self.graph, self.dataset, self._put, depth, self._record) if depth else None
         # Generation ahead: the dataset's position and the buffered generations (controller/ahead.py).
         self.checkpointer.components.update(dataset=self.ahead or self.dataset, guard=self.nan_guard)
         self.checkpointer.mark_start()

@@ -585,6 +585,7 @@ def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node
     nodes = _resolve_nodes(spec, file)
     _check_rollout_correction(nodes, file)
     _check_judges(spec, nodes, file)
+    _check_record(spec, nodes, file)
     if not spec.trainer.async_.synchronous and any(OPS[n.op].refills for n in nodes):
         raise SpecError(
             file, "trainer.async.mode",
@@ -607,6 +608,26 @@ def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node
     _check_samples_per_prompt(spec, nodes, dag, file)
     by_name = {n.name: n for n in nodes}
     return [by_name[n] for n in nx.topological_sort(dag) if n != SOURCE], dag
+
+
+def _check_record(spec: GraphSpec, nodes: list[Node], file: str) -> None:
+    """``trainer.record`` names nodes of the graph, at iterations the run reaches; a generation
+    on a standalone rollout pool is not recordable (its weights arrive published, not kept)."""
+    record = spec.trainer.record
+    if record is None:
+        return
+    by_name = {n.name: n for n in nodes}
+    for i, name in enumerate(record.nodes):
+        if name not in by_name:
+            raise SpecError(file, f"trainer.record.nodes[{i}]", f"no node {name!r}; the graph's nodes are {list(by_name)}")
+        rollout = spec.models[by_name[name].model].rollout
+        if OPS[by_name[name].op].generates and rollout is not None and rollout.pool is not None:
+            raise SpecError(file, f"trainer.record.nodes[{i}]", f"node {name!r} generates on the standalone rollout "
+                            f"pool {rollout.pool!r}, whose published weights are not recorded")
+    for i, iteration in enumerate(record.iterations):
+        if iteration > spec.trainer.iterations:
+            raise SpecError(file, f"trainer.record.iterations[{i}]",
+                            f"iteration {iteration} is past the run's last (trainer.iterations = {spec.trainer.iterations})")
 
 
 def _check_rollout_correction(nodes: list[Node], file: str) -> None:

@@ -959,6 +959,18 @@ class TrackingSpec(Spec):
     tags: list[str] = Field([], description="Tags of the run (wandb tags; MLflow tags with the value 'true').")
 
 
+class RecordSpec(Spec):
+    """Nodes to record for ``hybridflow replay`` (``trainer.record``): at each listed iteration,
+    every rank of each listed node saves its input batch, the trained models' weights and
+    optimizer state, the node's options, its RNG states, torch thread count and world size,
+    then the node's outputs, under ``RUN_DIR/record/iter_N/NODE/``."""
+
+    nodes: list[str] = Field(min_length=1, description="Names of the nodes to record.")
+    iterations: list[Annotated[int, Field(ge=1)]] = Field(
+        min_length=1, description="Iterations (1 = the first) at which they are recorded."
+    )
+
+
 class TrainerSpec(Spec):
     """Length of the run, seeds, validation, logging and what is saved."""
 
@@ -1021,6 +1033,11 @@ class TrainerSpec(Spec):
         default_factory=AsyncSpec,
         alias="async",  # a Python keyword: the attribute is async_
         description="Overlap of generation and training, and the staleness bound.",
+    )
+    record: RecordSpec | None = Field(
+        None,
+        description="Record nodes' inputs, state and outputs at some iterations, for `hybridflow "
+        "replay RUN_DIR --iteration N --node NAME` (docs/debugging.md); null = record nothing.",
     )
 
 

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hybridflow.engines.base import TrainEngine
+from hybridflow.workers.errors import NonFiniteWeightError
 
 MODELS = "models"
 
@@ -41,6 +42,17 @@ def resume_seed(seed: int, rank: int, iteration: int) -> int:
     """The torch seed of ``rank`` resuming after ``iteration`` under another number of ranks
     (a fresh run's rank starts from ``seed * 1000 + rank``)."""
     return seed * 1000 + rank + 1_000_000 * iteration
+
+
+def refuse_nonfinite(engines: dict[str, TrainEngine], rank: int) -> None:
+    """Raise NonFiniteWeightError if any weight of ``engines`` is not finite: such a model is
+    not checkpointed (the previous checkpoint stays the newest)."""
+    for name, engine in engines.items():
+        for param_name, param in engine.named_weights():
+            if not bool(torch.isfinite(param).all()):
+                raise NonFiniteWeightError(
+                    f"model {name!r} rank {rank}: weight {param_name} is not finite; not checkpointing it"
+                )
 
 
 def save(path: str | Path, pool: str, rank: int, engines: dict[str, TrainEngine], extra: dict[str, Any]) -> None:

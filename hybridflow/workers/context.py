@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridflow.data import keys
 from hybridflow.engines.base import RolloutEngine, TrainEngine
 from hybridflow.graph.dag import Graph
 from hybridflow.hybrid_engine.publish import StagedWeights
@@ -88,3 +89,12 @@ class WorkerContext:
         )
         checked["timing/weight_verify"] += trainer_seconds
         return {**metrics, **checked}
+
+
+def trained_uids(op, batch) -> dict[str, list[int]]:
+    """The prompts (or pairs) a training op ran on this rank, for the controller's
+    prompts.jsonl (a padded rank's copied group is another rank's too: the controller takes
+    the union)."""
+    if not (op.trains and keys.UID in batch.keys()):
+        return {}
+    return {"trained_uids": sorted(set(batch[keys.UID].tolist()))}

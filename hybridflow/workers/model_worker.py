@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from hybridflow.data import keys
 from hybridflow.engines.base import ROLLOUT_ENGINES, TRAIN_ENGINES, RolloutEngine, TrainEngine
 from hybridflow.engines.lora import BaseModelEngine
 from hybridflow.engines.models import build_causal_lm, build_value_model
@@ -27,11 +26,10 @@ from hybridflow.hybrid_engine.sync import WeightSync, weight_sync
 from hybridflow.rewards.remote import RewardSources
 from hybridflow.spec.graph import Spec
 from hybridflow.spec.layout import GenerationLayout, ParallelLayout, RankCoords
-from hybridflow.workers import algo_steps, checkpointing
+from hybridflow.workers import algo_steps, checkpointing, recording
 from hybridflow.workers.base import Worker
 from hybridflow.workers.colocation import Colocation
-from hybridflow.workers.context import WorkerContext
-from hybridflow.workers.errors import NonFiniteWeightError
+from hybridflow.workers.context import WorkerContext, trained_uids
 from hybridflow.workers.protocols import Dispatch, register
 
 VALUE_ROLES = ("critic", "reward", "cost")  # a scalar head per token instead of an LM head
@@ -57,6 +55,8 @@ class ModelWorker(Worker):
 
         self.graph = graph
         self.spec = graph_spec = graph.spec
+        # What builds this host's engines again outside a run (``hybridflow replay``).
+        self.host_args = {"models": list(models), "rollouts": list(rollouts), "total_steps": total_steps}
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
         seed = graph_spec.trainer.seed
         self.train_engines: dict[str, TrainEngine] = {}
@@ -139,25 +139,24 @@ class ModelWorker(Worker):
 
     @register(Dispatch.DP_3D)
     def run_op(
-        self, batch: TensorDict, *, node: str, coords: RankCoords, options: Spec | None = None
+        self, batch: TensorDict, *, node: str, coords: RankCoords, options: Spec | None = None,
+        record: str | None = None,
     ) -> tuple[TensorDict, dict]:
         """Run graph node ``node`` on this rank's part of its batch, through the body its op
         record names. The batch is this rank's data-parallel chunk under the node's layout
         (``Graph.dispatch_layout``; ``coords``: where this rank sits in it), the same on every
         tensor/pipeline peer. ``options``: this call's options when they differ from the
-        node's in the graph (validation generates greedily)."""
+        node's in the graph (validation generates greedily). ``record``: a directory to record
+        this call in, for ``hybridflow replay`` (``workers.recording``)."""
         resolved = self.graph.node(node)
         if options is not None:
             resolved = replace(resolved, spec=resolved.spec.model_copy(update={"options": options}))
         op = self.graph.op(resolved)
         # the idle models' state goes to CPU memory, rollout engines too unless the op generates
         moves = self.colocation.activate(resolved.model, generates=op.runs_rollout_engine)
-        out, meta = op.load_body(resolved.role)(self.ctx, batch, resolved)
-        if op.trains and keys.UID in batch.keys():
-            # the prompts (or pairs) this rank trained on, for the controller's prompts.jsonl (a
-            # padded rank's copied group is another rank's too: the controller takes the union)
-            meta = {**meta, "trained_uids": sorted(set(batch[keys.UID].tolist()))}
-        return out, {**meta, **moves}
+        body = op.load_body(resolved.role)
+        out, meta = recording.call(body, self.ctx, resolved, batch, record, self.host_args)
+        return out, {**meta, **trained_uids(op, batch), **moves}
 
     @register(Dispatch.ONE_TO_ALL)
     def save_hf(self, *, model: str, path: str) -> None:
@@ -185,13 +184,7 @@ class ModelWorker(Worker):
         (NonFiniteWeightError) if any trained weight is not finite. Frozen models (ref, reward
         models) are rebuilt from their source, not saved."""
         engines = self.ctx.trained_engines()
-        for name, engine in engines.items():
-            for param_name, param in engine.named_weights():
-                if not bool(torch.isfinite(param).all()):
-                    raise NonFiniteWeightError(
-                        f"model {name!r} rank {self.rank}: weight {param_name} is not finite; "
-                        "not checkpointing it"
-                    )
+        checkpointing.refuse_nonfinite(engines, self.rank)
         checkpointing.save(path, pool, self.rank, engines, self.ctx.extra_state)
 
     @register(Dispatch.ONE_TO_ALL)
@@ -251,3 +244,4 @@ def _generation_tp(train: ParallelLayout, tp: int, rank: int, seed: int) -> dict
     gen = GenerationLayout(train=train, tp=tp)
     group = next(g for g in generation_tp_groups(gen) if rank in g)
     return {"seed": seed * 1000 + gen_replica(gen, rank), "tp_ranks": group}
+
