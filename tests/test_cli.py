@@ -276,3 +276,16 @@ def test_summary_prints_as_a_table():
         "  restarts          0",
         "  seconds           3.5",
     ]
+
+
+def test_options_may_come_between_the_graph_and_its_overrides(capsys):
+    """`run GRAPH --run-dir D OVERRIDE` as users write it: the override after the option is
+    applied (argparse alone stops a positional list at the first option)."""
+    pools = "resource_pools/local_cpu.yaml"
+    assert main(["graph", "graphs/grpo.yaml", "--pools", pools, "data.prompts_per_iteration=3"]) == 2
+    assert "data.prompts_per_iteration" in capsys.readouterr().err
+    assert main(["graph", "--pools", pools, "graphs/grpo.yaml", "data.prompts_per_iteration=3"]) == 2
+    assert "data.prompts_per_iteration" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # an unknown option is still argparse's one line
+        main(["graph", "graphs/grpo.yaml", "--bogus", "trainer.iterations=3"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

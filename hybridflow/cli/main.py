@@ -99,7 +99,26 @@ def _parser() -> argparse.ArgumentParser:
 
     eval_cli.add_parser(sub)
     replay_cli.add_parser(sub)
+    parser.commands = sub.choices  # name -> its parser, for _parse_args
     return parser
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, options and positionals in any order within a command: `run GRAPH
+    --run-dir D OVERRIDE ...` as well as `run --run-dir D GRAPH OVERRIDE ...` (argparse alone
+    ends a positional list at the first option)."""
+    parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not (argv and argv[0] in parser.commands):
+        return parser.parse_args(argv)
+    command = parser.commands[argv[0]]
+    args, rest = command.parse_known_args(argv[1:])
+    if rest and all(not r.startswith("-") for r in rest):  # positionals after an option
+        args = command.parse_intermixed_args(argv[1:])
+    elif rest:
+        command.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.command = argv[0]
+    return args
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -272,7 +291,7 @@ def _cmd_serve_reward(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse_args(argv)
     command = {
         "run": _cmd_run,
         "validate": _cmd_validate,
