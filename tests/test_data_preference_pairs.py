@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.data.preference_pairs import corrupt, main, make_pairs
+from hybridflow.data.preference_pairs import MIN_SCORE_GAP, corrupt, main, make_pairs
 from hybridflow.data.preferences import collate_pairs, read_pairs
 from hybridflow.data.tasks import copy_reward, get_task, letter_cost
 from hybridflow.spec.graph import DataSpec
@@ -39,6 +39,12 @@ def test_reward_pairs_rank_by_the_rule_with_disjoint_held_out_prompts(tmp_path, 
     # imperfect responses as often as not
     assert all(row["chosen"] == row["prompt"].rstrip("=") for row in train[::3])
     assert sum(row["chosen"] != row["prompt"].rstrip("=") for row in train) > 30
+    # the pairs of two samples are clear preferences: at least MIN_SCORE_GAP apart
+    for k, row in enumerate(train):
+        if k % 3:
+            answer = row["prompt"].rstrip("=")
+            gap = copy_reward(row["prompt"], row["chosen"], answer) - copy_reward(row["prompt"], row["rejected"], answer)
+            assert gap >= MIN_SCORE_GAP - 1e-9, row
     # the reader takes them as they are, within the default graph lengths
     rows = read_pairs(str(out))
     spec = DataSpec()
@@ -106,6 +112,23 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, expected):
     assert not (tmp_path / "t.jsonl").exists()
 
 
+def test_samples_span_random_collapsed_partial_and_correct_responses():
+    import random
+
+    from hybridflow.data.preference_pairs import sample_response
+
+    rng = random.Random(0)
+    answer = "cabhe"
+    drawn = [sample_response(answer, "abcdefgh", rng, 6) for _ in range(2000)]
+    scores = [copy_reward(answer + "=", r, answer) for r in drawn]
+    assert all(1 <= len(r) <= 6 for r in drawn)
+    assert sum(s == 0.0 for s in scores) > 100 and sum(s == 1.0 for s in scores) > 100
+    assert sum(0.0 < s < 1.0 for s in scores) > 800  # partial copies, graded by the rule
+    # strings collapsed on one letter, as a policy that over-optimises a reward writes
+    # (uniform random letters alone would give about one such string in 2000)
+    assert sum(len(r) >= 4 and len(set(r)) == 1 for r in drawn) >= 8
+
+
 def test_runs_as_a_module(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "hybridflow.data.preference_pairs", "--out", str(tmp_path / "t.jsonl"),
@@ -113,7 +136,7 @@ def test_runs_as_a_module(tmp_path):
         capture_output=True, text=True, cwd=ROOT, timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    assert len(read_jsonl(tmp_path / "v.jsonl")) == 2  # one pair per prompt by default
+    assert len(read_jsonl(tmp_path / "v.jsonl")) == 8  # four pairs per prompt by default
 
 
 def test_pairs_from_samples_rank_disjoint_widest_first_and_drop_ties():

@@ -8,11 +8,12 @@ The task's first ``--num-train`` distinct prompts (from ``--seed``) give the tra
 next ``--num-val`` the held-out ones, so no held-out prompt is seen in training.
 
 - ``--kind reward``: ``{prompt, chosen, rejected}`` rows. Each prompt's first pair is the
-  correct answer against a corrupted one; further pairs (``--pairs-per-prompt``) are two
-  sampled responses (corruptions of the answer, or random strings, as an untrained policy
-  writes) whose rule scores differ, the higher-scoring one chosen. One pair per prompt is the
-  default: a tiny model learns the copy check much faster from correct-against-corrupted
-  pairs, and ranking two imperfect responses is the harder thing to ask of it.
+  correct answer against a corrupted one; further pairs (``--pairs-per-prompt``, default 4
+  in all) are two responses drawn like a policy's samples at any stage of learning (random
+  strings, strings collapsed on one or two letters, partial copies, wrong lengths:
+  ``sample_response``) whose rule scores differ by at least ``MIN_SCORE_GAP``, the
+  higher-scoring one chosen. The graded pairs teach the model to rank the policy's own
+  samples, not only to tell the answer from its corruptions.
 - ``--kind cost``: PKU-SafeRLHF rows labelled by ``letter_cost`` (a response is unsafe when it
   holds the letter ``a``), ``better_response_id`` by the task's reward. Every pair has one safe
   and one unsafe response and two different rewards, so both ids are defined; the first pair of
@@ -34,6 +35,9 @@ from pathlib import Path
 from hybridflow.data.tasks import COST_LETTER, TASKS, Task, letter_cost
 
 MAX_TRIES = 1000  # draws of a response meeting a pair's condition; far above what any needs
+# Smallest rule-score gap of a pair of two sampled responses: one more right letter in five.
+# Nearer scores (1/5 against 1/6, a length off by one) are near-ties a tiny model learns as noise.
+MIN_SCORE_GAP = 0.2
 
 
 def corrupt(answer: str, letters: str, rng: random.Random, num_edits: int, max_chars: int) -> str:
@@ -60,16 +64,29 @@ def corrupt(answer: str, letters: str, rng: random.Random, num_edits: int, max_c
     return "".join(text)
 
 
+def letter_weights(letters: str, rng: random.Random) -> list[float]:
+    """Weights of the letters a policy writes where it does not copy: uniform half the time (an
+    untrained policy), else drawn from a Dirichlet(0.3), most weight on one or two letters (a
+    policy collapsed on the letters some reward favours, ``ddgdd``)."""
+    if rng.random() < 0.5:
+        return [1.0] * len(letters)
+    return [rng.gammavariate(0.3, 1.0) + 1e-6 for _ in letters]
+
+
 def sample_response(answer: str, letters: str, rng: random.Random, max_chars: int) -> str:
-    """A response a policy might write: mostly the answer with 1 to 3 edits, else a random
-    string of letters, sometimes the answer itself (a task scored right-or-wrong has no two
-    different scores without it)."""
-    draw = rng.random()
-    if draw < 0.1:
-        return answer
-    if draw < 0.35:
-        return "".join(rng.choice(letters) for _ in range(rng.randint(1, max_chars)))
-    return corrupt(answer, letters, rng, rng.randint(1, 3), max_chars)
+    """A response a policy at some stage of learning might write: a skill ``q`` drawn uniformly
+    from [0, 1], then the answer's length with probability ``q`` (else a random length) and
+    each position the answer's letter with probability ``q`` (else a letter drawn by
+    ``letter_weights``). ``q`` near 0 is an untrained or collapsed policy's string, near 1 the
+    answer, in between the partial copies of a policy half-way there: the rule's per-position
+    score is graded across them."""
+    skill = rng.random()
+    weights = letter_weights(letters, rng)
+    length = len(answer) if rng.random() < skill else rng.randint(1, max_chars)
+    return "".join(
+        answer[i] if i < len(answer) and rng.random() < skill else rng.choices(letters, weights)[0]
+        for i in range(length)
+    )
 
 
 def _draw(make: Callable[[], tuple[str, str]], keep: Callable[[str, str], bool], what: str) -> tuple[str, str]:
@@ -93,6 +110,9 @@ def reward_pairs(task: Task, prompts: list[dict], pairs_per_prompt: int, rng: ra
         def higher_first(first: str, second: str) -> bool:
             return score(first) > score(second)
 
+        def clearly_higher_first(first: str, second: str) -> bool:
+            return score(first) - score(second) >= MIN_SCORE_GAP - 1e-9
+
         def against_answer() -> tuple[str, str]:
             return answer, corrupt(answer, task.letters, rng, rng.randint(1, 2), max_chars)
 
@@ -101,8 +121,8 @@ def reward_pairs(task: Task, prompts: list[dict], pairs_per_prompt: int, rng: ra
             return (first, second) if score(first) >= score(second) else (second, first)
 
         for k in range(pairs_per_prompt):
-            make = against_answer if k == 0 else two_samples
-            chosen, rejected = _draw(make, higher_first, f"pair with distinct scores for {prompt!r}")
+            make, keep = (against_answer, higher_first) if k == 0 else (two_samples, clearly_higher_first)
+            chosen, rejected = _draw(make, keep, f"pair with distinct scores for {prompt!r}")
             rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return rows
 
@@ -226,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-out", required=True, help="held-out pairs, from prompts disjoint from the train ones")
     parser.add_argument("--num-train", type=int, default=1000, help="train prompts")
     parser.add_argument("--num-val", type=int, default=200, help="held-out prompts")
-    parser.add_argument("--pairs-per-prompt", type=int, default=1,
+    parser.add_argument("--pairs-per-prompt", type=int, default=4,
                         help="the first against the correct answer, the others between two sampled responses")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
