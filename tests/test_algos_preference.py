@@ -11,7 +11,14 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from hybridflow.algos import PAIR_LOSSES, RunningMoments, bradley_terry_loss, pairwise_metrics, safe_rlhf_cost_loss
+from hybridflow.algos import (
+    PAIR_LOSSES,
+    RunningMoments,
+    bradley_terry_loss,
+    pairwise_metrics,
+    safe_rlhf_cost_loss,
+    squash_scores,
+)
 
 F64 = torch.float64
 L_2, L_0, L_1, L_HALF, L_3 = 0.1269280, 0.6931472, 0.3132617, 0.4740770, 0.0485874
@@ -165,3 +172,18 @@ def test_running_moments_equal_the_concatenation_however_cut_and_spread():
     restored = RunningMoments()
     restored.load_state_dict(moments.state_dict())
     assert restored.state_dict() == moments.state_dict()
+
+
+def test_sigmoid_squash_is_the_probability_the_sign_term_trains():
+    # sigmoid(0) = 0.5, sigmoid(ln 3) = 3/4, sigmoid(-ln 9) = 1/10: a cost of -ln 9 is a 10%
+    # chance of unsafe, the budget of safe_rlhf.yaml
+    costs = t([0.0, torch.log(t(3.0)).item(), -torch.log(t(9.0)).item()])
+    close(squash_scores(costs, "sigmoid"), [0.5, 0.75, 0.1])
+    # the sign term of an unsafe response (s = +1) is -log P(unsafe) under that reading
+    for cost in costs:
+        _, metrics = safe_rlhf_cost_loss(cost.view(1), t([-50.0]), t([1.0]), t([-1.0]))
+        assert metrics["rm/sign_loss"] == pytest.approx(-torch.log(squash_scores(cost, "sigmoid")).item(), abs=1e-6)
+    assert squash_scores(costs, None) is costs
+    assert squash_scores(costs.float(), "sigmoid").dtype == torch.float32
+    with pytest.raises(ValueError, match="unknown squash 'tanh'"):
+        squash_scores(costs, "tanh")

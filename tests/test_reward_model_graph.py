@@ -203,6 +203,53 @@ def test_score_node_normalizes_a_learned_score_and_logs_only_without_outputs(mon
     assert meta["metrics"]["rule/reward_mean"] == pytest.approx(4.0)
 
 
+def test_score_node_squashes_a_learned_cost_to_a_probability_of_unsafe(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    from hybridflow.data import keys as K
+    from hybridflow.data.tasks import get_task
+    from hybridflow.spec.graph import ScoreOptions
+    from hybridflow.workers.ops.score import score
+    from tensordict import TensorDict
+
+    import hybridflow.workers.ops.score as score_module
+
+    tok = get_task("copy").tokenizer()
+    raw = torch.tensor([-3.0, 0.0, 2.0, -1.0])
+    # the last response never ends: a cost model's ending rule (auto = keep) leaves it alone
+    batch = TensorDict({K.RESPONSES: torch.tensor([[3, tok.eos_token_id]] * 3 + [[3, 4]]),
+                        K.RESPONSE_MASK: torch.ones(4, 2, dtype=torch.long)}, batch_size=[4])
+    engine = NS(forward=lambda b: {"last_values": raw.clone()})
+    spec = NS(models={"cm": NS(role="cost", source=NS(remote=None))}, data=NS(max_response_length=8))
+    ctx = NS(spec=spec, rules={}, train_engines={"cm": engine}, tokenizer=tok, dp_group=lambda m: None,
+             extra_state={})
+    node = NS(name="cost", model="cm", outputs=("costs",), spec=NS(options=ScoreOptions(squash="sigmoid")))
+    monkeypatch.setattr(score_module, "logged_samples", lambda *a, **k: [])
+    out, meta = score(ctx, batch, node)
+    assert torch.allclose(out["costs"], 1 / (1 + torch.exp(-raw)))
+    assert meta["metrics"]["cost/raw_mean"] == pytest.approx(-0.5)
+    assert meta["metrics"]["cost/mean"] == pytest.approx(float(torch.sigmoid(raw).mean()))
+
+
+@pytest.mark.parametrize("option, message", [
+    ("squash=tanh", "nodes[4].options.squash: Input should be 'sigmoid' (got 'tanh')"),
+    ("normalize=true", "nodes[4].options: normalize and squash exclude each other"),
+])
+def test_a_bad_squash_is_one_line(option, message, tmp_path, monkeypatch, capsys):
+    import yaml
+
+    monkeypatch.chdir(ROOT)
+    raw = yaml.safe_load((ROOT / "graphs" / "safe_rlhf_learned.yaml").read_text())
+    cost = next(n for n in raw["nodes"] if n["name"] == "cost")
+    key, value = option.split("=")
+    cost["options"][key] = yaml.safe_load(value)
+    graph = tmp_path / "bad_squash.yaml"
+    graph.write_text(yaml.safe_dump(raw))
+    assert main(["validate", str(graph)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
 def test_an_odd_micro_batch_of_a_pair_model_is_refused(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     assert main(["validate", "graphs/reward_model.yaml", "models.reward.train.micro_batch_size=3"]) == 2

@@ -43,6 +43,7 @@ from hybridflow.algos.preference import (
     bradley_terry_loss,
     pairwise_metrics,
     safe_rlhf_cost_loss,
+    squash_scores,
 )
 from hybridflow.algos.running_moments import RunningMoments
 from hybridflow.algos.rollout_correction import (
@@ -91,6 +92,7 @@ __all__ = [
     "bradley_terry_loss",
     "pairwise_metrics",
     "safe_rlhf_cost_loss",
+    "squash_scores",
     "POLICY_LOSSES",
     "KLEstimator",
     "Registry",

@@ -141,3 +141,25 @@ def pairwise_metrics(
         name: total / count
         for name, total in zip((ACCURACY, MARGIN_MEAN, CHOSEN_MEAN, REJECTED_MEAN), totals)
     }
+
+
+def squash_scores(scores: torch.Tensor, squash: str | None) -> torch.Tensor:
+    """A scorer's raw scores mapped for use as rewards or costs (a score node's ``squash``).
+
+    ``sigmoid``: a Safe-RLHF cost model's sign term trains ``sigmoid(c)`` as the probability
+    that a response is unsafe (``-log sigmoid(s * c)`` is the logistic loss of the label
+    ``s``), so ``sigmoid(c)`` is its estimate of P(unsafe), in [0, 1] like a 0/1 rule cost;
+    a cost budget then bounds the expected share of unsafe responses. ``None``: unchanged.
+
+    Args:
+        scores: (B,) float, one raw score per response.
+        squash: ``"sigmoid"`` or None.
+
+    Returns:
+        (B,) float, the mapped scores, in the dtype of ``scores``.
+    """
+    if squash is None:
+        return scores
+    if squash == "sigmoid":
+        return torch.sigmoid(scores)
+    raise ValueError(f"unknown squash {squash!r}: expected 'sigmoid' or None")

@@ -34,13 +34,13 @@ ENDING_FIELDS = frozenset({"unfinished", "unfinished_score"})  # ScoreOptions fi
 
 # ScoreOptions fields checked before the run starts (controller/preflight.py), not by the scorer
 PREFLIGHT_FIELDS = frozenset({"ground_truth"})
-NODE_FIELDS = frozenset({"normalize", "log_prefix"})  # the score node applies them, not the scorer
+NODE_FIELDS = frozenset({"normalize", "squash", "log_prefix"})  # the score node applies them, not the scorer
 
 
 def scorer_options(options: ScoreOptions) -> dict:
     """The scorer's keywords: every ``ScoreOptions`` field but the ending rule's, the
     overlong punishment's, the ones preflight checks and the score node's own (normalisation,
-    logging)."""
+    squashing, logging)."""
     return options.model_dump(exclude=ENDING_FIELDS | OVERLONG_FIELDS | PREFLIGHT_FIELDS | NODE_FIELDS)
 
 

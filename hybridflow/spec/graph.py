@@ -474,6 +474,14 @@ class ScoreOptions(EndingOptions):
         "std, over every score the node has given (OpenRLHF's normalize_reward); kept in "
         "checkpoints. The raw mean is logged as reward/raw_mean (cost/...).",
     )
+    squash: Literal["sigmoid"] | None = Field(
+        None,
+        description="Map each raw score through a function before the ending rule: 'sigmoid' "
+        "turns a Safe-RLHF cost model's cost (trained so that cost > 0 reads as unsafe) into "
+        "its probability of unsafe, so a cost_threshold compares the expected share of unsafe "
+        "responses with a budget, as a 0/1 rule cost does. The raw mean is logged as "
+        "cost/raw_mean (reward/...). null = scores as given. Not with normalize.",
+    )
     log_prefix: str | None = Field(
         None,
         description="A score node with no outputs only logs (a rule scored beside a learned "
@@ -514,6 +522,16 @@ class ScoreOptions(EndingOptions):
         "main thread (math-verify's signal-based timeouts work there) and killed past "
         "timeout_s; 0 = in the worker itself (a timed-out call is then abandoned, not stopped).",
     )
+
+
+    @model_validator(mode="after")
+    def _squash_or_normalize(self) -> "ScoreOptions":
+        if self.squash is not None and self.normalize:
+            raise ValueError(
+                "normalize and squash exclude each other: a normalised score has no fixed zero "
+                "for the squash to read, and a squashed one is already on a fixed scale"
+            )
+        return self
 
 
 JUDGE_FIELDS = ("prompt", "response", "ground_truth")  # the placeholders of a judge's template

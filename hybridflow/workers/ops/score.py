@@ -1,10 +1,12 @@
 """``score``: sequence scores of the responses from a rule / compute_score / remote scorer, or
-from a learned reward (cost) model's last value; then the ending rule and overlong penalty."""
+from a learned reward (cost) model's last value, optionally normalised or squashed; then the
+ending rule and overlong penalty."""
 
 from __future__ import annotations
 
 from tensordict import TensorDict
 
+from hybridflow.algos.preference import squash_scores
 from hybridflow.data import keys as K
 from hybridflow.data.batch import place_sequence_reward
 from hybridflow.graph.dag import Node
@@ -55,6 +57,9 @@ def score(ctx: WorkerContext, batch: TensorDict, node: Node) -> tuple[TensorDict
             metrics[f"{prefix}/raw_mean"] = float(scores.mean())
             moments.update(scores, dp_sum(ctx.dp_group(model)))
             scores = moments.normalize(scores)
+    if opts.squash is not None:  # e.g. a cost model's cost -> P(unsafe)
+        metrics[f"{prefix}/raw_mean"] = float(scores.mean())
+        scores = squash_scores(scores, opts.squash)
     scores, unfinished = apply_ending_rule(scores, batch, ctx.tokenizer, opts, role)
     metrics[f"{prefix}/unfinished_frac"] = float(unfinished.float().mean())
     if opts.overlong_buffer is not None:
