@@ -13,7 +13,9 @@ Run as a script (the tests start it in a subprocess, joined to their Ray)::
   controller's part and meta.json are not written).
 
 Without ``--kill`` it runs to the end. The workers, owned by this process, die with it. The
-production controller has none of this: ``KillingTrainer`` wraps its worker groups' ``call``.
+production controller has none of this: ``KillingTrainer`` wraps its worker groups' ``call`` and
+runs the test hooks' worker host (``fault_hooks.FaultyWorker``), whose generation nodes start
+2 s late under ``--kill generate`` so the kill surely lands before they finish.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import argparse
 import os
 import signal
 import sys
-import time
 
 import ray
+
+from fault_hooks import FaultyWorker
 
 from hybridflow.controller.executor import RUN_OP
 from hybridflow.controller.trainer import Trainer
@@ -37,6 +40,7 @@ def die(why: str) -> None:
 
 
 class KillingTrainer(Trainer):
+    worker_cls = FaultyWorker
     kill_when: str | None = None
     kill_at = 0
     iteration = 0
@@ -47,6 +51,9 @@ class KillingTrainer(Trainer):
 
     def _start_groups(self) -> None:
         super()._start_groups()
+        if self.kill_when == "generate":  # a generation outlasts the kill however fast it runs
+            for node in (n for n in self.graph.nodes if self.graph.op(n).generates):
+                ray.get(self.groups[self.graph.pool_of(node)].call("inject_op_delay", node=node.name, seconds=2.0))
         for group in self.groups.values():
             group.call = self._killing(group.call)
 
@@ -57,7 +64,6 @@ class KillingTrainer(Trainer):
                 return out
             node = self.graph.node(kwargs["node"]) if method == RUN_OP else None
             if node is not None and self.kill_when == "generate" and self.graph.op(node).generates:
-                time.sleep(0.02)  # the rank has taken it up
                 die(f"during {node.name} (submitted in iteration {self.iteration}), finished: {_done(out)}")
             if node is not None and self.kill_when == "update" and self.graph.op(node).trains:
                 die(f"during {node.name} of iteration {self.iteration}, finished: {_done(out)}")

@@ -24,7 +24,9 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers canno
 class FaultyWorker(ModelWorker):
     def run_op(self, batch, *, node: str, **kwargs):
         """The host's ``run_op``; an update of a model told to (``inject_nonfinite``) runs
-        with a NaN loss."""
+        with a NaN loss, and a node told to (``inject_op_delay``) starts late."""
+        if (delay := getattr(self, "_op_delays", {}).get(node)) is not None:
+            time.sleep(delay)
         resolved = self.graph.node(node)
         left = getattr(self, "_nan_updates", {})
         if not (self.graph.op(resolved).trains and left.get(resolved.model, 0) > 0):
@@ -54,6 +56,12 @@ class FaultyWorker(ModelWorker):
             self._nan_updates = {**getattr(self, "_nan_updates", {}), model: count}
         else:
             next(iter(self.train_engines[model].named_weights()))[1].view(-1)[0] = math.nan
+
+    @register(Dispatch.ONE_TO_ALL)
+    def inject_op_delay(self, *, node: str, seconds: float) -> None:
+        """Every call of graph node ``node`` waits ``seconds`` before its body runs, so that
+        the controller can be stopped while the node is surely unfinished."""
+        self._op_delays = {**getattr(self, "_op_delays", {}), node: seconds}
 
     @register(Dispatch.ONE_TO_ALL)
     def inject_stale_rollout(self, *, model: str, count: int = 1) -> None:

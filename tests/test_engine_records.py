@@ -23,7 +23,7 @@ GRPO = ROOT / "graphs" / "grpo.yaml"
 
 # Uses of a string equal to an engine name that do not pick engine behaviour, by file and line text.
 ALLOWED = {
-    ("hybridflow/controller/checkpoint.py",
+    ("hybridflow/workers/recording.py",
      'return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}'),
 }
 

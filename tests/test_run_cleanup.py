@@ -72,7 +72,10 @@ def kill_tagged(tag: str) -> None:
 # environment, as Ray's agents and workers show none once they rewrite their process title
 # over it: only the reaper's notes of the controller's descendants can find them.
 FAKE_CONTROLLER = """
-import os, subprocess, sys, time
+import os, signal, subprocess, sys, time
+# Ctrl-C ends it as it ends a controller started from a terminal (a background job of a
+# non-interactive shell, such as a test suite run with &, inherits SIGINT ignored).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from hybridflow.controller.reaper import mark_run
 mark_run()
 plain = {"PATH": os.environ["PATH"]}

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import time
@@ -39,13 +38,13 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import ray
 import torch
 
 from hybridflow.controller.recovery import RunStopped
 from hybridflow.spec.loading import SpecError
 from hybridflow.workers.errors import NonFiniteWeightError
+from hybridflow.workers.recording import rng_states, set_rng_states
 
 if TYPE_CHECKING:
     from hybridflow.controller.run_dir import RunDir
@@ -236,12 +235,10 @@ class ControllerRng:
     """The controller process's python, numpy and torch RNG states, as one checkpointed object."""
 
     def state_dict(self) -> dict:
-        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        return rng_states()
 
     def load_state_dict(self, state: dict) -> None:
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"])
+        set_rng_states(state)
 
 
 class Checkpointer:

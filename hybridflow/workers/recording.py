@@ -53,6 +53,8 @@ def rank_dir(path: str | Path, rank: int) -> Path:
 
 
 def rng_states() -> dict[str, Any]:
+    """This process's python, numpy and torch RNG states (a recording's, the controller's
+    checkpoint)."""
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
