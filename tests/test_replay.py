@@ -16,7 +16,7 @@ from tensordict import TensorDict
 from hybridflow.cli.main import main
 from hybridflow.graph.dag import load_graph
 from hybridflow.spec.loading import SpecError
-from hybridflow.workers.recording import INFO, OUTPUT, compare, rank_dir, record_dir
+from hybridflow.workers.recording import INFO, OUTPUT, STATE, compare, rank_dir, record_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "graphs" / "grpo.yaml"
@@ -135,15 +135,22 @@ def test_grpo_update_actor_at_dp2_replays_exactly(grpo_run, capsys):
     assert code == 0 and out[-3:] == ["rank 0: equal", "rank 1: equal", "equal"], out
 
 
+def _replay_cli(run_dir: Path, *args: str, commands: str = "") -> subprocess.CompletedProcess:
+    """``hybridflow replay`` of iteration 2's advantage in a process of its own; everything it
+    printed is in the failure if it does not end."""
+    command = [sys.executable, "-m", "hybridflow.cli.main", "replay", str(run_dir), "--iteration", "2",
+               "--node", "advantage", *args]
+    try:
+        return subprocess.run(command, input=commands, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"no end in 240 s; stdout:\n{err.stdout}\nstderr:\n{err.stderr}")
+
+
 @pytest.mark.slow
 def test_pdb_stops_in_the_ranks_body(grpo_run):
     """rank 1 of GRPO's advantage (rank 0 in a process of its own), under a scripted pdb."""
-    done = subprocess.run(
-        [sys.executable, "-m", "hybridflow.cli.main", "replay", str(grpo_run), "--iteration", "2",
-         "--node", "advantage", "--rank", "1", "--pdb"],
-        input="p node.name\np ctx.rank, ctx.world_size\np batch.batch_size\nn\nc\n",
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )
+    done = _replay_cli(grpo_run, "--rank", "1", "--pdb",
+                       commands="p node.name\np ctx.rank, ctx.world_size\np batch.batch_size\nn\nc\n")
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "rank 1: stopped in hybridflow.workers.ops.advantage:advantage for node 'advantage'" in out
@@ -177,3 +184,25 @@ def test_a_replay_that_differs_says_where(ppo_run, capsys):
         output.write_bytes(original)
     lines = capsys.readouterr().out.splitlines()
     assert lines[-2].startswith("rank 0: output advantages[3, 1]: recorded ") and lines[-1] == "differs on rank(s) [0]"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "pdb"])
+def test_a_rank_that_fails_stops_the_replay_with_its_traceback(grpo_run, capsys, debug):
+    """Rank 0's saved state unreadable: the replay ends at once with rank 0's error, whether the
+    other rank is a spawned process or the one held in this process's debugger (which then waits
+    at a rendezvous rank 0 never reaches)."""
+    state = rank_dir(record_dir(grpo_run, 2, "advantage"), 0) / STATE
+    original = state.read_bytes()
+    state.write_bytes(b"not a torch file")
+    try:
+        if debug:
+            done = _replay_cli(grpo_run, "--rank", "1", "--pdb", commands="c\n")
+            code, err = done.returncode, done.stderr
+        else:
+            code = main(["replay", str(grpo_run), "--iteration", "2", "--node", "advantage"])
+            err = capsys.readouterr().err
+    finally:
+        state.write_bytes(original)
+    assert code == 1, err
+    assert "rank 0's replay raised:" in err and "UnpicklingError" in err, err

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
 from hybridflow.spec.loading import SpecError
@@ -69,7 +70,7 @@ def find_record(run_dir: Path, iteration: int, node: str) -> Path:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from hybridflow.workers.replay import read_info, replay
+    from hybridflow.workers.replay import ReplayError, read_info, replay
 
     run_dir = Path(args.run_dir)
     path = find_record(run_dir, args.iteration, args.node)
@@ -77,7 +78,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if not 0 <= args.rank < world_size:
         raise SpecError(path, "--rank", f"rank {args.rank}: the call ran on {world_size} rank(s), 0 to {world_size - 1}")
     print(f"replaying node {args.node!r} of iteration {args.iteration} on {world_size} rank(s), without Ray", flush=True)
-    differences = replay(path, str(run_dir / "tokenizer"), rank=args.rank, debug=args.pdb)
+    try:
+        differences = replay(path, str(run_dir / "tokenizer"), rank=args.rank, debug=args.pdb)
+    except ReplayError as err:  # a rank's own traceback: the replay could not run, not a difference
+        print(f"replay failed: {err}", file=sys.stderr)
+        return 1
     for rank, difference in differences.items():
         print(f"rank {rank}: {difference or 'equal'}")
     differing = [rank for rank, difference in differences.items() if difference]
