@@ -110,7 +110,8 @@ def test_a_corrupted_tensor_on_the_colocated_hf_path_stops_the_run(ray_session, 
     """grpo.yaml (torch + transformers sharing the module): the verified syncs log their probe
     diff, and a sync whose first tensor arrives corrupted stops the run at once, naming
     full_weights and the version that was sent."""
-    message, rows = _stopped_run(GRPO, [*SHORT, "trainer.iterations=4"], tmp_path, pool="default")
+    overrides = [*SHORT, "trainer.iterations=4", "trainer.save_interval=1"]
+    message, rows = _stopped_run(GRPO, overrides, tmp_path, pool="default")
     assert "\n" not in message
     assert message.startswith(
         "stopping at iteration 2: weight sync not verified on model 'actor' (sync path full_weights, "
@@ -118,6 +119,25 @@ def test_a_corrupted_tensor_on_the_colocated_hf_path_stops_the_run(ray_session, 
     ), message
     assert [r["iteration"] for r in rows] == [1]
     assert rows[0]["weight_sync/verified"] == 1.0 and rows[0]["weight_sync/probe_diff_max"] < 1e-5
+
+    # --resume from iteration 1's checkpoint, whose first load into the rollout goes wrong: the
+    # sync after the checkpoint load is verified too, and stops in one line as well.
+    from fault_hooks import FaultyTrainer
+
+    from hybridflow.controller.recovery import RunStopped
+
+    class CorruptFromTheStart(FaultyTrainer):
+        def _start_groups(self) -> None:
+            super()._start_groups()
+            ray.get(self.groups["default"].call("corrupt_sync", model="actor"))
+
+    resumed = CorruptFromTheStart(load_graph(GRPO, overrides), run_dir=str(tmp_path / "run"), resume=True)
+    with pytest.raises(RunStopped) as info:
+        resumed.fit()
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("stopping after loading "), message
+    assert "iter_00000001: weight sync not verified on model 'actor' (sync path full_weights, " in message, message
+    assert "weight version 1)" in message, message
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ run's), ``checkpoint`` (``Checkpointer``), ``recovery`` (``Recovery``, ``NanGuar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -74,6 +75,17 @@ from hybridflow.workers.sharded import ShardedRef
 PROGRESS_KEYS = {"reward/mean": "reward", "val/reward/mean": "val", "actor/kl": "kl", "rm/accuracy": "acc",
                  "val/rm/accuracy": "val_acc"}
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _one_line_stop(when: str):
+    """A worker's one-line stop (Ray wraps it) as the run's RunStopped, saying ``when``."""
+    try:
+        yield
+    except (RolloutMismatchError, WeightSyncError, RewardError) as exc:
+        cause = getattr(exc, "cause", exc)
+        _drop_unfetched_copies(cause)
+        raise RunStopped(f"stopping {when}: {cause}") from None
 
 
 def _drop_unfetched_copies(cause: BaseException) -> None:
@@ -188,12 +200,8 @@ class Trainer:
 
     def _iterate(self, iteration: int) -> dict:
         """One iteration, then the NaN guard's verdict, then the checkpoint if one is due."""
-        try:
+        with _one_line_stop(f"at iteration {iteration}"):
             metrics = self.step(iteration)
-        except (RolloutMismatchError, WeightSyncError, RewardError) as exc:  # a worker's one-line stop (Ray wraps it)
-            cause = getattr(exc, "cause", exc)
-            _drop_unfetched_copies(cause)
-            raise RunStopped(f"stopping at iteration {iteration}: {cause}") from None
         for callback in self.callbacks:
             callback(self, iteration, metrics)
         self.nan_guard.check(iteration, self.checkpointer.latest())
@@ -425,9 +433,10 @@ class Trainer:
     def _restore(self, path: Path | None, rewind: bool = True) -> int:
         """Go back to checkpoint ``path`` (None: the run's start) and cut every per-iteration
         file back to it (``rewind``; a fresh run has nothing to cut); returns its iteration."""
-        done, self.history = self.checkpointer.restore(path, self.groups)
-        self._pending_syncs.clear()  # loads into workers that were restarted, or done
-        self._sync_standalone_rollouts()  # the restored (or initial) weights, version ``done``
+        with _one_line_stop(f"after loading {path}" if path is not None else "at the start"):
+            done, self.history = self.checkpointer.restore(path, self.groups)
+            self._pending_syncs.clear()  # loads into workers that were restarted, or done
+            self._sync_standalone_rollouts()  # the restored (or initial) weights, version ``done``
         if rewind:
             self.logger.rewind(done)
             self.dirs.drop_traces_after(done)
