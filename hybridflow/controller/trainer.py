@@ -49,6 +49,7 @@ from hybridflow.controller.checkpoint import Checkpointer
 from hybridflow.controller.executor import IterationResult, chrome_trace, run_nodes
 from hybridflow.controller.loggers import RunLoggers
 from hybridflow.controller.ahead import AheadGeneration
+from hybridflow.controller.elastic import Elastic
 from hybridflow.controller.preflight import (
     check_engines_installed, check_inputs, check_model_paths, check_score_inputs, run_tokenizer,
 )
@@ -131,6 +132,7 @@ class Trainer:
         self.ahead: AheadGeneration | None = None  # trainer.async.mode one_step_off / streaming (_setup)
         self.nan_guard = NanGuard(options.nan_tolerance)
         self.recovery = Recovery(self.dirs.events, options.max_restarts)
+        self.elastic = Elastic(self.recovery) if options.elastic else None
         self.checkpointer = Checkpointer(self.dirs, graph, self.extra_state)
         self.started = time.perf_counter()  # fit() restarts it once set up
 
@@ -169,7 +171,7 @@ class Trainer:
                 except Exception as exc:
                     if not self.recovery.workers_lost(exc, self.groups):
                         raise
-                    done = self._recover(exc)
+                    done = self._recover(exc, done + 1)
                     bar.reset(total=total)
                     bar.update(done)
                     continue
@@ -325,11 +327,16 @@ class Trainer:
         )
         if worker_log is not None:
             tqdm.write(f"workers' output (library warnings, engine logs): {worker_log}; --verbose shows it here")
+        self._create_pools()
+        self._start_groups()
+
+    def _create_pools(self) -> None:
         for pool_name in self.graph.used_pools():
             pool = ResourcePool(pool_name, self.graph.pools[pool_name])
             pool.create()
             self.pools.append(pool)
-        self._start_groups()
+        if self.elastic is not None:
+            self.elastic.watch(self.pools)
 
     def _start_groups(self) -> None:
         for pool in self.pools:
@@ -433,16 +440,33 @@ class Trainer:
             self.dirs.drop_traces_after(done)
         return done
 
-    def _recover(self, exc: BaseException) -> int:
+    def _recover(self, exc: BaseException, iteration: int) -> int:
         """Restart every worker group and go back to the newest checkpoint; returns its
-        iteration. Gives up (RunStopped) after ``trainer.max_restarts`` recoveries."""
+        iteration. Gives up (RunStopped) after ``trainer.max_restarts`` recoveries. With
+        ``trainer.elastic``, a lost node first shrinks the pools to what is left (``_reshape``)."""
         path = self.checkpointer.latest_intact()
         self.recovery.begin(exc, path)
         for group in self.groups.values():
             group.shutdown(graceful=False)
         self.groups = {}
+        shrunk = self.elastic.replan(self.graph, iteration) if self.elastic is not None else None
+        if shrunk is not None:
+            self._reshape(shrunk)
         self._start_groups()
         return self._restore(path)
+
+    def _reshape(self, graph: Graph) -> None:
+        """Go on with ``graph`` (the same nodes on resized pools): every placement group is
+        removed and created again at its new size."""
+        for pool in self.pools:
+            pool.remove()
+        self.pools = []
+        self.graph, self.spec = graph, graph.spec
+        self.checkpointer.graph = graph
+        if self.ahead is not None:
+            self.ahead = AheadGeneration(graph, self.dataset, self._put, self.spec.trainer.async_.ahead, self._record)
+            self.checkpointer.components.update(dataset=self.ahead)
+        self._create_pools()
 
     def save_actor(self, path: Path) -> None:
         group = self.groups[self.graph.placement[self.graph.actor]]
