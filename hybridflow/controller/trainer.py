@@ -26,8 +26,10 @@ With a standalone rollout (``rollout.pool``) generation runs on its own pool, du
 updates, and each update's weights travel there (``_sync_standalone_rollouts``).
 
 A lost worker (``recovery``) restarts every group and ``checkpointer.restore()``s the newest
-checkpoint. Components in modules of their own: ``run_dir`` (which directory, refusing another
-run's), ``checkpoint`` (``Checkpointer``), ``recovery`` (``Recovery``, ``NanGuard``).
+checkpoint; with ``trainer.elastic`` a lost node first shrinks the pools to what the nodes left
+hold (``elastic``, ``_reshape``). Components in modules of their own: ``run_dir`` (which
+directory, refusing another run's), ``checkpoint`` (``Checkpointer``), ``recovery``
+(``Recovery``, ``NanGuard``), ``elastic`` (``Elastic``).
 """
 
 from __future__ import annotations
@@ -277,10 +279,8 @@ class Trainer:
             spec.data.seed,
             system_prompt=spec.data.system_prompt,
         )
-        # validation generates on the actor's generation pool, one equal share per rank
-        gen_pool = self.graph.rollout_pools.get(self.graph.actor, self.graph.placement[self.graph.actor])
-        gen_ranks = self.graph.pools[gen_pool].num_devices
-        val_rows = val_rows[: len(val_rows) // gen_ranks * gen_ranks]
+        ranks = self._val_ranks()
+        val_rows = val_rows[: len(val_rows) // ranks * ranks]
         self.val_prompts = (
             collate_prompts(val_rows, tokenizer, spec.data.max_prompt_length,
                             system_prompt=spec.data.system_prompt) if val_rows else None
@@ -295,11 +295,19 @@ class Trainer:
         args = (tokenizer, spec.data.max_prompt_length, spec.data.max_response_length)
         self.dataset = PairDataset(train_rows, *args, spec.data.prompts_per_iteration, spec.data.shuffle,
                                    spec.data.seed, system_prompt=spec.data.system_prompt)
-        ranks = max(self.graph.pools[self.graph.placement[n.model]].num_devices for n in self.pair_nodes())
+        ranks = self._val_ranks()
         val_rows = val_rows[: len(val_rows) // ranks * ranks]
         self.val_prompts = (
             collate_pairs(val_rows, *args, system_prompt=spec.data.system_prompt) if val_rows else None
         )
+
+    def _val_ranks(self) -> int:
+        """The ranks validation splits its rows over, one equal share each: the actor's
+        generation pool's, or the largest pool of a pair node (a graph of preference pairs)."""
+        if self.graph.reads_pairs:
+            return max(self.graph.pools[self.graph.placement[n.model]].num_devices for n in self.pair_nodes())
+        gen_pool = self.graph.rollout_pools.get(self.graph.actor, self.graph.placement[self.graph.actor])
+        return self.graph.pools[gen_pool].num_devices
 
     def pair_nodes(self) -> list:
         return [n for n in self.graph.nodes if "pairs" in n.inputs]
@@ -463,6 +471,9 @@ class Trainer:
         self.pools = []
         self.graph, self.spec = graph, graph.spec
         self.checkpointer.graph = graph
+        if self.val_prompts is not None:  # an equal share for each rank left
+            keep = len(self.val_prompts) // self._val_ranks() * self._val_ranks()
+            self.val_prompts = self.val_prompts[:keep] if keep else None
         if self.ahead is not None:
             self.ahead = AheadGeneration(graph, self.dataset, self._put, self.spec.trainer.async_.ahead, self._record)
             self.checkpointer.components.update(dataset=self.ahead)
