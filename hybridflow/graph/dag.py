@@ -731,8 +731,8 @@ def _check_elastic(graph: Graph, pool_file: str) -> None:
         if pool.node_labels and pool.nodes == 1:
             raise SpecError(
                 pool_file, f"pools.{name}.node_labels",
-                f"{pool.node_labels} pins the pool to one node, which trainer.elastic cannot shrink "
-                "it from; leave node_labels out, or set trainer.elastic: false",
+                f"{pool.node_labels} pins the pool to one node; trainer.elastic cannot move or shrink "
+                "it when that node is lost: leave node_labels out, or set trainer.elastic: false",
             )
 
 
