@@ -10,6 +10,11 @@ The driver (this file run as a script) places a graph's two pools on different n
 node labels (``resource_pools/two_node_cpu.yaml``), runs two iterations and reports which node
 each rank ran on; then it spreads one pool over both nodes (``nodes: 2``) and all-reduces over
 gloo across them.
+
+The last test (it kills the second node, so it runs last) spreads a run's one pool over both
+nodes with ``trainer.elastic: true``, kills the second node mid-run and checks that the run
+finishes on the head alone. The head marks a node dead after 3 missed health checks 1 s apart
+(Ray's defaults take about 30 s); only this test cluster is set so.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -74,15 +80,20 @@ def _stop(proc: subprocess.Popen) -> None:
         pass
 
 
+# A dead node is noticed within seconds; a live raylet that answers late (a busy machine) has 5 s.
+HEALTH_CHECKS = '{"health_check_period_ms": 1000, "health_check_timeout_ms": 5000, "health_check_failure_threshold": 3}'
+
+
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
+def cluster(tmp_path_factory):
+    """The head and the second node: ``address`` and ``second`` (its ``ray start`` process)."""
     logs = tmp_path_factory.mktemp("ray_logs")
     temp_dir = tempfile.mkdtemp(prefix="hf_mn_", dir="/tmp")  # short: socket paths are limited
     port = _free_port()
     procs = [
         _ray_start(temp_dir, logs / "head.log", "--head", f"--port={port}", "--num-cpus=3",
                    "--include-dashboard=false", f"--ray-client-server-port={_free_port()}",
-                   f"--labels={LABEL}=head"),
+                   f"--labels={LABEL}=head", f"--system-config={HEALTH_CHECKS}"),
     ]
     try:
         address = f"127.0.0.1:{port}"
@@ -101,11 +112,16 @@ def two_nodes(tmp_path_factory):
                 if attempt == 2 or procs[0].poll() is not None:
                     raise
                 _stop(procs.pop())
-        yield address
+        yield SimpleNamespace(address=address, second=procs[-1])
     finally:
         for proc in reversed(procs):
             _stop(proc)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(cluster):
+    return cluster.address
 
 
 def _wait_for(address: str, num_nodes: int, procs, logs: Path, timeout_s: float = 240) -> None:
@@ -144,6 +160,40 @@ def test_pools_on_different_nodes(two_nodes, tmp_path):
     # A pool of nodes: 2 puts one rank on each node, and gloo all-reduces across them.
     assert sorted(labels[n] for n in report["spanning"]["nodes"]) == ["head", "second"]
     assert report["spanning"]["sums"] == [3.0, 3.0]
+
+
+def test_elastic_run_shrinks_when_a_node_dies(cluster, tmp_path):
+    """A pool of nodes: 2 (dp 2, one rank per node); the driver SIGKILLs the second node's
+    process group after iteration 2 is logged, before its checkpoint: the run goes back to
+    iteration 1's checkpoint and finishes at dp 1 on the head, each iteration logged once."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, __file__, "elastic", cluster.address, str(run_dir), str(cluster.second.pid)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    labels = report["labels"]
+    assert cluster.second.poll() is not None  # the node is gone
+    assert report["summary"]["iterations"] == 4 and report["summary"]["restarts"] == 1
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    prompts = [json.loads(line) for line in (run_dir / "prompts.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in prompts] == [1, 2, 3, 4]
+    uids = [u for r in prompts for u in r["uids"]]
+    assert len(uids) == 16 and len(set(uids)) == 16  # 4 prompts an iteration, none twice
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["worker_lost", "shrink"]
+    shrink = events[1]
+    assert shrink["pools"] == {"default": {"before": 2, "after": 1}}
+    assert shrink["layouts"]["actor"]["before"]["dp"] == 2 and shrink["layouts"]["actor"]["after"]["dp"] == 1
+    assert [labels[n] for n in shrink["lost_nodes"]] == ["second"]
+    assert "trainer.elastic restarts on the 1 node(s) left" in out.stderr
+    # iterations 1-2 ran on both nodes, 2 (again) to 4 on the head alone
+    where = {int(k): sorted(labels[n] for n in v) for k, v in report["ranks"].items()}
+    assert where[1] == ["head", "second"]
+    assert where[3] == where[4] == ["head"]
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -206,5 +256,46 @@ def _driver(address: str, run_dir: str) -> None:
     }))
 
 
+def _elastic_driver(address: str, run_dir: str, second_pid: int) -> None:
+    import logging
+
+    import ray
+
+    from hybridflow.controller.trainer import Trainer
+    from hybridflow.graph.dag import load_graph
+
+    logging.basicConfig(level=logging.WARNING)
+    ray.init(address=address, log_to_driver=False)
+    labels = {n["NodeID"]: n["Labels"].get(LABEL) for n in ray.nodes() if n["Alive"]}
+    pools = Path(run_dir).parent / "spread.yaml"
+    pools.write_text("pools:\n  default: {nodes: 2, devices_per_node: 1}\n")
+    graph = load_graph(
+        ROOT / "graphs/grpo.yaml",
+        ["trainer.elastic=true", "trainer.iterations=4", "trainer.save_interval=1", "trainer.val_interval=0",
+         "trainer.save_final=false", "trainer.progress=false", "models.actor.rollout.n=4",
+         "data.prompts_per_iteration=4"],
+        pools_file=pools,
+    )
+    trainer = Trainer(graph, address=address, run_dir=run_dir)
+    ranks: dict[int, list[str]] = {}
+    killed = []
+
+    def record_nodes_then_kill(trainer, iteration, metrics):
+        ranks[iteration] = ray.get(
+            [w.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
+             for w in trainer.groups["default"].workers]
+        )
+        if iteration == 2 and not killed:
+            killed.append(iteration)
+            os.killpg(second_pid, signal.SIGKILL)
+
+    trainer.callbacks.append(record_nodes_then_kill)
+    summary = trainer.fit()
+    print(json.dumps({"labels": labels, "ranks": ranks, "summary": summary}))
+
+
 if __name__ == "__main__":
-    _driver(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "elastic":
+        _elastic_driver(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        _driver(sys.argv[1], sys.argv[2])

@@ -105,10 +105,13 @@ class Recovery:
             "worker lost (%s); restarting worker groups, resuming from %s (recovery %d of %d)",
             reason, resume_from or "the start", self.num_restarts, self.max_restarts,
         )
+        self.record("worker_lost", reason=reason, resume_from=str(resume_from) if resume_from else None,
+                    recovery=self.num_restarts)
+
+    def record(self, event: str, **fields) -> None:
+        """One line of ``RUN_DIR/events.jsonl``: ``{"event": event, "time": ..., **fields}``."""
         with self.events_file.open("a") as f:
-            f.write(json.dumps({"event": "worker_lost", "time": time.time(), "reason": reason,
-                                "resume_from": str(resume_from) if resume_from else None,
-                                "recovery": self.num_restarts}) + "\n")
+            f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
 
 
 class NanGuard:

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 # algorithm, model, data source or seed) the checkpoint cannot honour.
 HONOURED_ON_RESUME = (
     "trainer.iterations", "trainer.*_interval", "trainer.keep_last", "trainer.loggers", "trainer.tracking", "trainer.tracking.*",
-    "trainer.progress", "trainer.max_restarts", "trainer.nan_tolerance",
+    "trainer.progress", "trainer.max_restarts", "trainer.elastic", "trainer.nan_tolerance",
     "models.*.train.optim.lr", "models.*.train.optim.schedule", "models.*.train.optim.warmup_steps",
     "models.*.train.optim.min_lr_ratio",
     "resources", "placement.*", "resolved_layouts.*", "models.*.train.layout.*", "models.*.rollout.layout.*",

@@ -26,8 +26,10 @@ With a standalone rollout (``rollout.pool``) generation runs on its own pool, du
 updates, and each update's weights travel there (``_sync_standalone_rollouts``).
 
 A lost worker (``recovery``) restarts every group and ``checkpointer.restore()``s the newest
-checkpoint. Components in modules of their own: ``run_dir`` (which directory, refusing another
-run's), ``checkpoint`` (``Checkpointer``), ``recovery`` (``Recovery``, ``NanGuard``).
+checkpoint; with ``trainer.elastic`` a lost node first shrinks the pools to what the nodes left
+hold (``elastic``, ``_reshape``). Components in modules of their own: ``run_dir`` (which
+directory, refusing another run's), ``checkpoint`` (``Checkpointer``), ``recovery``
+(``Recovery``, ``NanGuard``), ``elastic`` (``Elastic``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from hybridflow.controller.checkpoint import Checkpointer
 from hybridflow.controller.executor import IterationResult, chrome_trace, run_nodes
 from hybridflow.controller.loggers import RunLoggers
 from hybridflow.controller.ahead import AheadGeneration
+from hybridflow.controller.elastic import Elastic
 from hybridflow.controller.preflight import (
     check_engines_installed, check_inputs, check_model_paths, check_score_inputs, run_tokenizer,
 )
@@ -143,6 +146,7 @@ class Trainer:
         self.ahead: AheadGeneration | None = None  # trainer.async.mode one_step_off / streaming (_setup)
         self.nan_guard = NanGuard(options.nan_tolerance)
         self.recovery = Recovery(self.dirs.events, options.max_restarts)
+        self.elastic = Elastic(self.recovery) if options.elastic else None
         self.checkpointer = Checkpointer(self.dirs, graph, self.extra_state)
         self.started = time.perf_counter()  # fit() restarts it once set up
 
@@ -181,7 +185,7 @@ class Trainer:
                 except Exception as exc:
                     if not self.recovery.workers_lost(exc, self.groups):
                         raise
-                    done = self._recover(exc)
+                    done = self._recover(exc, done + 1)
                     bar.reset(total=total)
                     bar.update(done)
                     continue
@@ -283,10 +287,8 @@ class Trainer:
             spec.data.seed,
             system_prompt=spec.data.system_prompt,
         )
-        # validation generates on the actor's generation pool, one equal share per rank
-        gen_pool = self.graph.rollout_pools.get(self.graph.actor, self.graph.placement[self.graph.actor])
-        gen_ranks = self.graph.pools[gen_pool].num_devices
-        val_rows = val_rows[: len(val_rows) // gen_ranks * gen_ranks]
+        ranks = self._val_ranks()
+        val_rows = val_rows[: len(val_rows) // ranks * ranks]
         self.val_prompts = (
             collate_prompts(val_rows, tokenizer, spec.data.max_prompt_length,
                             system_prompt=spec.data.system_prompt) if val_rows else None
@@ -301,11 +303,19 @@ class Trainer:
         args = (tokenizer, spec.data.max_prompt_length, spec.data.max_response_length)
         self.dataset = PairDataset(train_rows, *args, spec.data.prompts_per_iteration, spec.data.shuffle,
                                    spec.data.seed, system_prompt=spec.data.system_prompt)
-        ranks = max(self.graph.pools[self.graph.placement[n.model]].num_devices for n in self.pair_nodes())
+        ranks = self._val_ranks()
         val_rows = val_rows[: len(val_rows) // ranks * ranks]
         self.val_prompts = (
             collate_pairs(val_rows, *args, system_prompt=spec.data.system_prompt) if val_rows else None
         )
+
+    def _val_ranks(self) -> int:
+        """The ranks validation splits its rows over, one equal share each: the actor's
+        generation pool's, or the largest pool of a pair node (a graph of preference pairs)."""
+        if self.graph.reads_pairs:
+            return max(self.graph.pools[self.graph.placement[n.model]].num_devices for n in self.pair_nodes())
+        gen_pool = self.graph.rollout_pools.get(self.graph.actor, self.graph.placement[self.graph.actor])
+        return self.graph.pools[gen_pool].num_devices
 
     def pair_nodes(self) -> list:
         return [n for n in self.graph.nodes if "pairs" in n.inputs]
@@ -333,11 +343,16 @@ class Trainer:
         )
         if worker_log is not None:
             tqdm.write(f"workers' output (library warnings, engine logs): {worker_log}; --verbose shows it here")
+        self._create_pools()
+        self._start_groups()
+
+    def _create_pools(self) -> None:
         for pool_name in self.graph.used_pools():
             pool = ResourcePool(pool_name, self.graph.pools[pool_name])
             pool.create()
             self.pools.append(pool)
-        self._start_groups()
+        if self.elastic is not None:
+            self.elastic.watch(self.pools)
 
     def _start_groups(self) -> None:
         for pool in self.pools:
@@ -442,16 +457,36 @@ class Trainer:
             self.dirs.drop_traces_after(done)
         return done
 
-    def _recover(self, exc: BaseException) -> int:
+    def _recover(self, exc: BaseException, iteration: int) -> int:
         """Restart every worker group and go back to the newest checkpoint; returns its
-        iteration. Gives up (RunStopped) after ``trainer.max_restarts`` recoveries."""
+        iteration. Gives up (RunStopped) after ``trainer.max_restarts`` recoveries. With
+        ``trainer.elastic``, a lost node first shrinks the pools to what is left (``_reshape``)."""
         path = self.checkpointer.latest_intact()
         self.recovery.begin(exc, path)
         for group in self.groups.values():
             group.shutdown(graceful=False)
         self.groups = {}
+        shrunk = self.elastic.replan(self.graph, iteration) if self.elastic is not None else None
+        if shrunk is not None:
+            self._reshape(shrunk)
         self._start_groups()
         return self._restore(path)
+
+    def _reshape(self, graph: Graph) -> None:
+        """Go on with ``graph`` (the same nodes on resized pools): every placement group is
+        removed and created again at its new size."""
+        for pool in self.pools:
+            pool.remove()
+        self.pools = []
+        self.graph, self.spec = graph, graph.spec
+        self.checkpointer.graph = graph
+        if self.val_prompts is not None:  # an equal share for each rank left
+            keep = len(self.val_prompts) // self._val_ranks() * self._val_ranks()
+            self.val_prompts = self.val_prompts[:keep] if keep else None
+        if self.ahead is not None:
+            self.ahead = AheadGeneration(graph, self.dataset, self._put, self.spec.trainer.async_.ahead, self._record)
+            self.checkpointer.components.update(dataset=self.ahead)
+        self._create_pools()
 
     def save_actor(self, path: Path) -> None:
         group = self.groups[self.graph.placement[self.graph.actor]]

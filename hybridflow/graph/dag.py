@@ -718,7 +718,41 @@ def build_graph(
             batch_plan(spec, layouts, file)
         rollout_pools = _resolve_rollout_pools(spec, pools, placement, file, str(pool_path))
         graph = replace(graph, pools=pools, placement=placement, layouts=layouts, rollout_pools=rollout_pools)
+    if spec.trainer.elastic:
+        _check_elastic(graph, str(pool_path))
     return graph
+
+
+def _check_elastic(graph: Graph, pool_file: str) -> None:
+    """``trainer.elastic`` restarts a pool on the nodes left after one is lost: a pool that
+    node labels pin to one node has nowhere else to go."""
+    for name in graph.used_pools():
+        pool = graph.pools[name]
+        if pool.node_labels and pool.nodes == 1:
+            raise SpecError(
+                pool_file, f"pools.{name}.node_labels",
+                f"{pool.node_labels} pins the pool to one node; trainer.elastic cannot move or shrink "
+                "it when that node is lost: leave node_labels out, or set trainer.elastic: false",
+            )
+
+
+def resize_pools(graph: Graph, pools: dict[str, PoolSpec]) -> Graph:
+    """``graph`` on pools of other sizes (``trainer.elastic`` after a lost node): every model
+    keeps its tp x pp and takes the data-parallel size its pool now holds (a ``dp`` the graph
+    file fixed included); layouts and batch sizes are checked as ``build_graph`` checks them.
+    Raises ``SpecError`` where they do not fit."""
+    spec = graph.spec
+    free_dp = {
+        name: model.model_copy(update={"train": model.train.model_copy(
+            update={"layout": model.train.layout.model_copy(update={"dp": None})})})
+        for name, model in spec.models.items()
+    }
+    spec = spec.model_copy(update={"models": free_dp, "placement": dict(graph.placement)})
+    pools = {**graph.pools, **pools}
+    placement, layouts = _resolve_placement(spec, pools, graph.file, "the resized pools")
+    batch_plan(spec, layouts, graph.file)
+    rollout_pools = _resolve_rollout_pools(spec, pools, placement, graph.file, "the resized pools")
+    return replace(graph, spec=spec, pools=pools, placement=placement, layouts=layouts, rollout_pools=rollout_pools)
 
 
 def load_graph(

@@ -1043,6 +1043,12 @@ class TrainerSpec(Spec):
     max_restarts: int = Field(
         3, ge=0, description="Worker-failure recoveries (restart + resume) before giving up."
     )
+    elastic: bool = Field(
+        False, description="On a recovery after a Ray node is lost, restart the pools at the largest "
+        "size the nodes left hold (tp x pp kept, dp smaller; prompts per iteration unchanged); "
+        "off, the pools restart as they were, which needs every node. Refused for a pool pinned "
+        "to one node by node_labels."
+    )
     nan_tolerance: int = Field(
         3, ge=1, description="Stop after this many iterations in a row whose update was skipped "
         "for a non-finite loss or gradient."
