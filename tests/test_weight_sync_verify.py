@@ -110,7 +110,7 @@ def test_a_corrupted_tensor_on_the_colocated_hf_path_stops_the_run(ray_session, 
     """grpo.yaml (torch + transformers sharing the module): the verified syncs log their probe
     diff, and a sync whose first tensor arrives corrupted stops the run at once, naming
     full_weights and the version that was sent."""
-    overrides = [*SHORT, "trainer.iterations=4", "trainer.save_interval=1"]
+    overrides = [*SHORT, "trainer.iterations=2", "trainer.save_interval=1"]
     message, rows = _stopped_run(GRPO, overrides, tmp_path, pool="default")
     assert "\n" not in message
     assert message.startswith(
@@ -145,7 +145,7 @@ def test_a_corrupted_tensor_on_a_vllm_rollout_pool_stops_the_run(ray_session, tm
     """grpo_split_rollout.yaml with vLLM on its own pool: the weights cross the object store, the
     rollout pool's load is corrupted and the run stops naming rollout_pool."""
     pytest.importorskip("vllm")
-    overrides = [*SHORT, "trainer.iterations=3", "trainer.async.mode=sync", "models.actor.rollout.engine=vllm"]
+    overrides = [*SHORT, "trainer.iterations=2", "trainer.async.mode=sync", "models.actor.rollout.engine=vllm"]
     message, rows = _stopped_run(SPLIT, overrides, tmp_path, pool="rollout")
     assert "\n" not in message
     assert "weight sync not verified on model 'actor' (sync path rollout_pool, rollout.engine=vllm, weight version " in message
@@ -159,7 +159,7 @@ def test_a_lora_adapter_dropped_before_loading_into_vllm_stops_the_run(ray_sessi
     sync are dropped before loading (the sync still says it moved them): vLLM keeps generating
     with the first adapters, and the probe catches it, naming lora_adapter."""
     pytest.importorskip("vllm")
-    overrides = [*SHORT, "trainer.iterations=3", "models.actor.rollout.engine=vllm",
+    overrides = [*SHORT, "trainer.iterations=2", "models.actor.rollout.engine=vllm",
                  "models.actor.train.lora.rank=8", "models.actor.train.optim.lr=0.05"]
     message, rows = _stopped_run(GRPO, overrides, tmp_path, pool="default", target="adapter")
     assert "\n" not in message
@@ -169,3 +169,29 @@ def test_a_lora_adapter_dropped_before_loading_into_vllm_stops_the_run(ray_sessi
     ), message
     assert [r["iteration"] for r in rows] == [1]
     assert rows[0]["weight_sync/verified"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["resharded", "merged"])
+def test_a_corrupted_tensor_on_the_resharded_and_merged_paths_stops_the_run(ray_session, tmp_path, path):
+    """The two other sync paths: megatron's training shards gathered through the resharder into
+    the transformers rollout (grpo_megatron.yaml, TP = 2), and a LoRA actor's weights with the
+    adapters merged in, into vLLM (``lora_sync: merged``). One tensor of the second sync arrives
+    corrupted: the run stops in one line naming the path and the version sent."""
+    if path == "resharded":
+        pytest.importorskip("megatron.core")
+        graph_file, overrides = ROOT / "graphs" / "grpo_megatron.yaml", []
+        engine = "hf"
+    else:
+        pytest.importorskip("vllm")
+        graph_file, engine = GRPO, "vllm"
+        overrides = ["models.actor.rollout.engine=vllm", "models.actor.train.lora.rank=8",
+                     "models.actor.rollout.lora_sync=merged", "models.actor.train.optim.lr=0.05"]
+    message, rows = _stopped_run(graph_file, [*SHORT, "trainer.iterations=2", *overrides], tmp_path, pool="default")
+    assert "\n" not in message
+    assert message.startswith(
+        f"stopping at iteration 2: weight sync not verified on model 'actor' (sync path {path}, "
+        f"rollout.engine={engine}, weight version 2): probe log-prob max |diff| "
+    ), message
+    assert [r["iteration"] for r in rows] == [1]
+    assert rows[0]["weight_sync/verified"] == 1.0 and rows[0]["weight_sync/probe_diff_max"] < 1e-4
