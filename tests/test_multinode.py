@@ -71,7 +71,7 @@ def _stop(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             break
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=5)  # then SIGKILL: the group is the test's own
         except subprocess.TimeoutExpired:
             continue
     try:  # raylets and workers left in the group
