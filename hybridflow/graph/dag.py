@@ -584,6 +584,7 @@ def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node
                             f"{model.rollout.engine!r} takes no LoRA adapters (train.lora); use rollout.engine {able}")
     nodes = _resolve_nodes(spec, file)
     _check_rollout_correction(nodes, file)
+    _check_learned_score_options(spec, nodes, file)
     _check_judges(spec, nodes, file)
     _check_record(spec, nodes, file)
     if not spec.trainer.async_.synchronous and any(OPS[n.op].refills for n in nodes):
@@ -642,6 +643,20 @@ def _check_rollout_correction(nodes: list[Node], file: str) -> None:
                 f"nodes[{i}].options.rollout_correction",
                 f"update {node.name!r} weighs tokens by pi_old / pi_rollout and needs "
                 f"old_log_probs among its inputs {list(node.inputs)} (a log_prob node on the actor)",
+            )
+
+
+def _check_learned_score_options(spec: GraphSpec, nodes: list[Node], file: str) -> None:
+    """``normalize`` keeps running moments of a learned model's scores; a rule, compute_score or
+    remote scorer gives scores on its own fixed scale, and the option would do nothing there."""
+    for i, node in enumerate(nodes):
+        options = node.spec.options
+        if OPS[node.op].scores and getattr(options, "normalize", False) and spec.models[node.model].source.is_scorer:
+            raise SpecError(
+                file, f"nodes[{i}].options.normalize",
+                f"score node {node.name!r} scores with a rule or remote scorer (model "
+                f"{node.model!r}), whose scores have a scale of their own; normalize is for a "
+                "learned reward or cost model (remove it)",
             )
 
 

@@ -472,7 +472,8 @@ class ScoreOptions(EndingOptions):
         False,
         description="A learned reward or cost model's scores: (score - running mean) / running "
         "std, over every score the node has given (OpenRLHF's normalize_reward); kept in "
-        "checkpoints. The raw mean is logged as reward/raw_mean (cost/...).",
+        "checkpoints. The raw mean is logged as reward/raw_mean (cost/...). Refused for a rule, "
+        "compute_score or remote scorer.",
     )
     squash: Literal["sigmoid"] | None = Field(
         None,
