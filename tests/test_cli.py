@@ -214,6 +214,16 @@ def test_an_override_changes_one_alias_of_a_yaml_anchor_only():
     assert spec.models["actor"].source.config["hidden_size"] == 64
 
 
+@pytest.mark.parametrize("key", ["nodes.update_actor", "nodes.4", "nodes[4]"])
+def test_a_node_override_by_name_or_by_index_as_errors_print_it(key):
+    """Errors name a node's field as ``nodes[4].options.kl_coef``: an override may use that
+    path as printed, as well as ``nodes.4`` or the node's name."""
+    from hybridflow.graph.plugins import load_graph_spec
+
+    spec = load_graph_spec("graphs/grpo.yaml", [f"{key}.options.kl_coef=0.25"])
+    assert spec.nodes[4].name == "update_actor" and spec.nodes[4].options.kl_coef == 0.25
+
+
 def test_validate_command_with_override_exits_0():
     done = _cli("validate", "graphs/grpo.yaml", "models.actor.rollout.engine=vllm")
     assert done.returncode == 0, done.stderr

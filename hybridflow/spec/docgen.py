@@ -257,8 +257,9 @@ def render_reference(
 GRAPH_INTRO = """
 Every field of a graph file (`graphs/*.yaml`), from the pydantic models in
 `hybridflow/spec/graph.py`. Unknown fields are errors. Any field can be set on the command line
-with a dotted override, as in the *example* column; list items are named by index or, for nodes,
-by node name (`nodes.update_actor.options.kl_coef=0.01`). Batch sizes are explained in
+with a dotted override, as in the *example* column; list items are named by index (`nodes.4`,
+or `nodes[4]` as errors print it) or, for nodes, by node name
+(`nodes.update_actor.options.kl_coef=0.01`). Batch sizes are explained in
 [batch-sizes.md](batch-sizes.md); editors can check a file against
 [schema/graph.schema.json](schema/graph.schema.json).
 """

@@ -86,11 +86,14 @@ def _unshared(raw: Any) -> Any:
     return copy.deepcopy(raw)
 
 
+_INDEX = re.compile(r"\[(\d+)\]")  # nodes[4] -> nodes.4
+
+
 def apply_overrides(raw: dict, overrides: list[str], file: str | Path) -> dict:
     """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a copy of ``raw``.
 
-    List items can be named by index or, for ``nodes``, by node name:
-    ``nodes.update.options.kl_coef=0.01``.
+    List items can be named by index, as ``nodes.4`` or as errors print them, ``nodes[4]``,
+    or, for ``nodes``, by node name: ``nodes.update.options.kl_coef=0.01``.
     """
     raw = _unshared(raw)
     for item in overrides:
@@ -101,7 +104,7 @@ def apply_overrides(raw: dict, overrides: list[str], file: str | Path) -> dict:
             value = yaml.safe_load(text) if text else ""
         except yaml.YAMLError:
             value = text
-        parts = key.split(".")
+        parts = _INDEX.sub(r".\1", key).split(".")
         node: Any = raw
         try:
             for depth, part in enumerate(parts[:-1]):
