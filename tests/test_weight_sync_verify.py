@@ -9,6 +9,7 @@ Ray and gloo, with ``FaultyWorker.corrupt_sync`` corrupting one load.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,12 @@ def test_a_rollout_module_that_differs_from_the_trainers_is_caught_in_one_line()
     assert message.startswith(
         "weight sync not verified on model 'actor' (sync path full_weights, rollout.engine=hf, weight version 3)"
     ), message
+    assert ", first at" not in message  # no way to go over the sent weights was given
+    # Given the weights that were sent, a readable engine names the first one it holds otherwise.
+    with pytest.raises(WeightSyncError) as info:
+        verify(expected, rollout, tokenizer, path="full_weights", model="actor", engine="hf",
+               version=3, dtype="float32", sent=module.named_parameters)
+    assert ", first at model.layers.0.mlp.down_proj.weight (max |diff| " in str(info.value), str(info.value)
 
 
 def _stopped_run(graph_file, overrides, tmp_path, *, pool: str, target: str = "tensor", after: int = 1):
@@ -141,14 +148,20 @@ def test_a_corrupted_tensor_on_the_colocated_hf_path_stops_the_run(ray_session, 
 
 
 @pytest.mark.slow
-def test_a_corrupted_tensor_on_a_vllm_rollout_pool_stops_the_run(ray_session, tmp_path):
-    """grpo_split_rollout.yaml with vLLM on its own pool: the weights cross the object store, the
-    rollout pool's load is corrupted and the run stops naming rollout_pool."""
-    pytest.importorskip("vllm")
-    overrides = [*SHORT, "trainer.iterations=2", "trainer.async.mode=sync", "models.actor.rollout.engine=vllm"]
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_a_corrupted_tensor_on_a_rollout_pool_stops_the_run(ray_session, tmp_path, engine):
+    """grpo_split_rollout.yaml with the rollout on its own pool: the weights cross the object
+    store, the rollout pool's load is corrupted and the run stops naming rollout_pool; the
+    transformers engine's weights can be read back, so the line also names the corrupted
+    parameter (vLLM's CPU weights are repacked: not readable)."""
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    overrides = [*SHORT, "trainer.iterations=2", "trainer.async.mode=sync", f"models.actor.rollout.engine={engine}"]
     message, rows = _stopped_run(SPLIT, overrides, tmp_path, pool="rollout")
     assert "\n" not in message
-    assert "weight sync not verified on model 'actor' (sync path rollout_pool, rollout.engine=vllm, weight version " in message
+    assert f"weight sync not verified on model 'actor' (sync path rollout_pool, rollout.engine={engine}, weight version " in message
+    named = re.search(r", first at ([\w.]+) \(max \|diff\| [-+.e\d]+\), stopping$", message)
+    assert (named is not None) == (engine == "hf"), message
     assert [r["iteration"] for r in rows] == [1]
     assert rows[0]["weight_sync/verified"] == 1.0 and rows[0]["weight_sync/probe_diff_max"] < 1e-4
 

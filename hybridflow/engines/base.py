@@ -274,6 +274,12 @@ class RolloutEngine(abc.ABC):
         Computed without sampling, so no RNG stream moves."""
         raise NotImplementedError(f"{type(self).__name__} scores no probe (rollout.verify_sync: off)")
 
+    def readable_weights(self) -> dict[str, torch.Tensor] | None:
+        """The weights the engine generates with, by HF name, where they can be read back as
+        loaded (None: they cannot; vLLM on CPU repacks its linear layers). A failed weight-sync
+        verification names the first one that differs from what was sent."""
+        return None
+
     def weight_bytes(self) -> int | None:
         """Bytes of the weights this engine holds as its own copy (None: unknown). A sharded
         train engine's resharder reports this apart from its own buffers."""

@@ -201,6 +201,10 @@ class HFRolloutEngine(RolloutEngine):
         scored = torch.tensor([ids[-num_scored:]], device=logits.device)
         return log_probs_from_logits(logits[:, -num_scored - 1 : -1].float(), scored)[0].cpu()
 
+    def readable_weights(self) -> dict[str, torch.Tensor]:
+        """The module's parameters, by every name a tied one answers to."""
+        return dict(self.model.named_parameters(remove_duplicate=False))
+
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters (tied ones once)."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())

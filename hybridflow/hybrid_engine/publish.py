@@ -21,8 +21,9 @@ from hybridflow.engines.base import RolloutEngine, TrainEngine, WeightUpdates
 
 
 # A rollout engine's check after a load (``hybridflow.hybrid_engine.verify``): it takes the
-# engine, the trainer's probe log-probs and the weight version; returns its metrics.
-SyncCheck = Callable[[RolloutEngine, torch.Tensor, int], dict[str, float]]
+# engine, the trainer's probe log-probs, the weight version and a way to go over the weights
+# sent again (to name the first one that differs); returns its metrics.
+SyncCheck = Callable[[RolloutEngine, torch.Tensor, int, Callable | None], dict[str, float]]
 
 
 def publish(engine: TrainEngine, version: int, bucket_mb: float, probe: torch.Tensor | None = None) -> dict:
@@ -118,16 +119,17 @@ def receive(
     start = time.perf_counter()
     (offer,) = ray.get(published)
     verify = None
-    if check is not None and offer["probe"] is not None:
-        probe, version = offer["probe"], offer["version"]
-        verify = lambda loaded: check(loaded, probe, version)  # noqa: E731
-    if partial:
-        staged.stage(model, offer["version"], ray.get(list(offer["buckets"])), verify)
-        return {**offer["metrics"], "timing/weight_sync": time.perf_counter() - start}
 
     def fetched():  # one bucket in memory at a time, all in one load (vLLM needs whole sets)
         for ref in offer["buckets"]:
             yield from ray.get(ref).items()
+
+    if check is not None and offer["probe"] is not None:
+        probe, version = offer["probe"], offer["version"]
+        verify = lambda loaded: check(loaded, probe, version, fetched)  # noqa: E731
+    if partial:
+        staged.stage(model, offer["version"], ray.get(list(offer["buckets"])), verify)
+        return {**offer["metrics"], "timing/weight_sync": time.perf_counter() - start}
 
     engine.load_weights(fetched())
     staged.versions[model] = offer["version"]

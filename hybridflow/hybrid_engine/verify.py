@@ -16,6 +16,7 @@ shard through the resharder), ``lora_adapter``, ``merged`` (LoRA merged in), ``r
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 
 import torch
 from tensordict import TensorDict
@@ -69,24 +70,43 @@ def rollout_probe(engine: RolloutEngine, tokenizer) -> torch.Tensor:
     return engine.probe_log_probs(ids, PROBE_RESPONSE).double()
 
 
+def first_difference(rollout: RolloutEngine, sent: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """``"NAME (max |diff| X)"`` of the first of the ``sent`` weights that the rollout engine does
+    not hold as sent, where its weights are readable (``readable_weights``); else None."""
+    held = rollout.readable_weights()
+    if held is None:
+        return None
+    for name, tensor in sent:
+        param = held.get(name)
+        if param is None:
+            return f"{name} (not in the rollout model)"
+        if not torch.equal(param.detach().to(tensor.device, tensor.dtype), tensor):
+            gap = (param.detach().to(tensor.device).double() - tensor.double()).abs().max()
+            return f"{name} (max |diff| {float(gap):.3g})"
+    return None
+
+
 def verify(
     expected: torch.Tensor, rollout: RolloutEngine, tokenizer, *, path: str, model: str, engine: str,
-    version: int, dtype: str,
+    version: int, dtype: str, sent: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
 ) -> dict[str, float]:
     """Score the probe on ``rollout`` and compare with the trainer's ``expected``; raise
-    WeightSyncError (one line: the model, the sync path, the weight version) past the bound
-    of ``dtype``. Returns ``weight_sync/verified``, ``weight_sync/probe_diff_max`` and
-    ``timing/weight_verify`` (the rollout side's seconds)."""
+    WeightSyncError (one line: the model, the sync path, the weight version, and with ``sent``,
+    a local way to go over the weights sent again, the first parameter the rollout engine holds
+    otherwise where it can be read) past the bound of ``dtype``. Returns
+    ``weight_sync/verified``, ``weight_sync/probe_diff_max`` and ``timing/weight_verify`` (the
+    rollout side's seconds)."""
     start = time.perf_counter()
     got = rollout_probe(rollout, tokenizer)
     diff = float((got - expected).abs().max())
     bound = PROBE_BOUNDS.get(dtype, 0.1)
     if not diff <= bound:  # NaN fails too
+        differing = first_difference(rollout, sent()) if sent is not None else None
         raise WeightSyncError(
             f"weight sync not verified on model {model!r} (sync path {path}, rollout.engine={engine}, "
             f"weight version {version}): probe log-prob max |diff| {diff:.3g} > {bound:g}, the "
-            f"bound for {dtype} weights; the rollout engine does not "
-            "hold the weights the trainer sent, stopping"
+            f"bound for {dtype} weights; the rollout engine does not hold the weights the trainer "
+            f"sent{f', first at {differing}' if differing else ''}, stopping"
         )
     return {
         "weight_sync/verified": 1.0,
@@ -97,11 +117,11 @@ def verify(
 
 def rollout_pool_check(model: str, spec, tokenizer):
     """The check of each load into a standalone rollout pool's engine (sync path
-    ``rollout_pool``), as ``publish.receive`` calls it: ``check(engine, probe, version)``.
+    ``rollout_pool``), as ``publish.receive`` calls it: ``check(engine, probe, version, sent)``.
     ``spec``: the model's ``ModelSpec``."""
 
-    def check(engine: RolloutEngine, probe: torch.Tensor, version: int) -> dict[str, float]:
+    def check(engine: RolloutEngine, probe: torch.Tensor, version: int, sent=None) -> dict[str, float]:
         return verify(probe, engine, tokenizer, path="rollout_pool", model=model,
-                      engine=spec.rollout.engine, version=version, dtype=spec.train.dtype)
+                      engine=spec.rollout.engine, version=version, dtype=spec.train.dtype, sent=sent)
 
     return check
