@@ -59,6 +59,17 @@ def killed_run(run_dir: Path, overrides: list[str], address: str, kill: str, res
     return proc.stderr
 
 
+def each_iteration_and_prompt_once(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """The run's prompts.jsonl and metrics.jsonl rows, having checked that each holds every
+    iteration once and that every prompt drawn was trained exactly once."""
+    trained, metrics = rows(run_dir / "prompts.jsonl"), rows(run_dir / "metrics.jsonl")
+    assert [r["iteration"] for r in trained] == list(range(1, ITERATIONS + 1))
+    uids = [uid for r in trained for uid in r["uids"]]
+    assert sorted(uids) == list(range(ITERATIONS * PROMPTS))  # none skipped, none twice
+    assert [r["iteration"] for r in metrics] == list(range(1, ITERATIONS + 1))
+    return trained, metrics
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_three_controller_kills_train_every_prompt_exactly_once(ray_session, tmp_path, mode):
@@ -81,13 +92,9 @@ def test_three_controller_kills_train_every_prompt_exactly_once(ray_session, tmp
     summary = Trainer(load_graph(ASYNC, overrides), run_dir=str(run_dir), resume=True).fit()
     assert summary["iterations"] == ITERATIONS
 
-    trained = rows(run_dir / "prompts.jsonl")
-    assert [r["iteration"] for r in trained] == list(range(1, ITERATIONS + 1))
-    uids = [uid for r in trained for uid in r["uids"]]
-    assert sorted(uids) == list(range(ITERATIONS * PROMPTS))  # none skipped, none twice
+    trained, metrics = each_iteration_and_prompt_once(run_dir)
     assert trained == rows(tmp_path / "full" / "prompts.jsonl")
-    metrics, full = rows(run_dir / "metrics.jsonl"), rows(tmp_path / "full" / "metrics.jsonl")
-    assert [r["iteration"] for r in metrics] == list(range(1, ITERATIONS + 1))
+    full = rows(tmp_path / "full" / "metrics.jsonl")
     # after each resume the buffered generations came from the checkpoint: sampled before it
     assert max(r["async/staleness_max"] for r in metrics) == (2.0 if mode == "streaming" else 1.0)
     for a, b in zip(full, metrics):
@@ -115,12 +122,7 @@ def test_a_controller_killed_during_a_partial_rollout_trains_every_prompt_once(r
     summary = Trainer(load_graph(SPLIT, overrides), run_dir=str(run_dir), resume=True).fit()
     assert summary["iterations"] == ITERATIONS
 
-    trained = rows(run_dir / "prompts.jsonl")
-    assert [r["iteration"] for r in trained] == list(range(1, ITERATIONS + 1))
-    uids = [uid for r in trained for uid in r["uids"]]
-    assert sorted(uids) == list(range(ITERATIONS * PROMPTS))  # none skipped, none twice
-    metrics = rows(run_dir / "metrics.jsonl")
-    assert [r["iteration"] for r in metrics] == list(range(1, ITERATIONS + 1))
+    _, metrics = each_iteration_and_prompt_once(run_dir)
     assert all("rollout/partial_resumed" in r for r in metrics)  # the mode was on throughout
 
 
