@@ -309,6 +309,11 @@ class Trainer:
             collate_pairs(val_rows, *args, system_prompt=spec.data.system_prompt) if val_rows else None
         )
 
+    def _ahead_generation(self) -> AheadGeneration | None:
+        """The generations run ahead of the graph's updates (``trainer.async.ahead`` > 0)."""
+        depth = self.spec.trainer.async_.ahead
+        return AheadGeneration(self.graph, self.dataset, self._put, depth, self._record) if depth else None
+
     def _val_ranks(self) -> int:
         """The ranks validation splits its rows over, one equal share each: the actor's
         generation pool's, or the largest pool of a pair node (a graph of preference pairs)."""
@@ -327,8 +332,7 @@ class Trainer:
             self.dirs.check_resume(self.graph)
         self.dirs.write_resolved_config(self.graph)
         tokenizer.save_pretrained(self.dirs.tokenizer)
-        depth = spec.trainer.async_.ahead
-        self.ahead = AheadGeneration(self.graph, self.dataset, self._put, depth, self._record) if depth else None
+        self.ahead = self._ahead_generation()
         # Generation ahead: the dataset's position and the buffered generations (controller/ahead.py).
         self.checkpointer.components.update(dataset=self.ahead or self.dataset, guard=self.nan_guard)
         self.checkpointer.mark_start()
@@ -481,10 +485,11 @@ class Trainer:
         self.graph, self.spec = graph, graph.spec
         self.checkpointer.graph = graph
         if self.val_prompts is not None:  # an equal share for each rank left
-            keep = len(self.val_prompts) // self._val_ranks() * self._val_ranks()
+            ranks = self._val_ranks()
+            keep = len(self.val_prompts) // ranks * ranks
             self.val_prompts = self.val_prompts[:keep] if keep else None
         if self.ahead is not None:
-            self.ahead = AheadGeneration(graph, self.dataset, self._put, self.spec.trainer.async_.ahead, self._record)
+            self.ahead = self._ahead_generation()
             self.checkpointer.components.update(dataset=self.ahead)
         self._create_pools()
 
