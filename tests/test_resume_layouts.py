@@ -3,6 +3,8 @@ the weights, optimizer state and LR schedule equal (bitwise) after the load.
 
 - The torch engine through the CLI: a grpo.yaml run on two data-parallel ranks resumes on one
   (`--pools resource_pools/one_cpu.yaml --resume`), the data position carried over.
+- The torch (DDP) engine and FSDP2 through the CLI: a run saved under one resumes under the
+  other and back.
 - The megatron engine on real gloo ranks: tp=2 -> tp=1 (dp=2) -> tp=2 -> pp=2, each checkpoint
   written by the workers' own save path (``workers/checkpointing.py``).
 """
@@ -83,6 +85,23 @@ def yaml_graph(run_dir: Path) -> dict:
     import yaml
 
     return yaml.safe_load((run_dir / "graph.yaml").read_text())
+
+
+def test_a_run_saved_under_ddp_resumes_under_fsdp2_and_back(ray_session, tmp_path, monkeypatch):
+    """grpo.yaml: 2 iterations on the torch engine (DDP over two ranks), the 3rd resumed under
+    FSDP2, the 4th under DDP again. Each resume trains on from the loaded actor: its KL to the
+    (untrained) reference is far from the 0 of a freshly built actor."""
+    monkeypatch.chdir(ROOT)
+    run = str(tmp_path / "run")
+    for iterations, engine, resume in [(2, "torch", []), (3, "fsdp2", ["--resume"]), (4, "torch", ["--resume"])]:
+        assert main(["run", "graphs/grpo.yaml", *SMALL, f"trainer.iterations={iterations}", "trainer.save_interval=1",
+                     f"models.actor.train.engine={engine}", "--run-dir", run, *resume]) == 0
+        assert yaml_graph(tmp_path / "run")["models"]["actor"]["train"]["engine"] == engine
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["actor/kl"] < 1e-6  # the actor before any update is the reference
+    assert all(r["actor/kl"] > 1e-5 for r in rows[2:]), [r["actor/kl"] for r in rows]
+    assert all(r["actor/skipped_step"] == 0.0 for r in rows)
 
 
 def _dataset_after(iterations: int) -> dict:
