@@ -49,6 +49,22 @@ def test_distill_coef_and_discount():
     assert_close(adv, torch.tensor([[1.5, -1.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]]))
 
 
+def test_distill_batch_mean_baseline_subtracts_the_mean_over_response_tokens():
+    adv, _ = ADV_ESTIMATORS.get("distill")(
+        response_mask=MASK, teacher_log_probs=TEACHER, student_log_probs=STUDENT,
+        distill_baseline="batch_mean",
+    )
+    # diffs 1, -0.5, 0 | 1 over the 4 response tokens: mean 0.375; padding stays 0.
+    assert_close(adv, torch.tensor([[0.625, -0.875, -0.375, 0.0], [0.625, 0.0, 0.0, 0.0]]))
+    # The mean over another rank's tokens too (reduce_sum): a rank holding diffs summing to
+    # -3.5 over 4 tokens makes the batch mean (1.5 - 3.5) / 8 = -0.25.
+    adv, _ = ADV_ESTIMATORS.get("distill")(
+        response_mask=MASK, teacher_log_probs=TEACHER, student_log_probs=STUDENT,
+        distill_baseline="batch_mean", reduce_sum=lambda sums: sums + torch.tensor([-3.5, 4.0]),
+    )
+    assert_close(adv, torch.tensor([[1.25, -0.25, 0.25, 0.0], [1.25, 0.0, 0.0, 0.0]]))
+
+
 def test_distill_mixed_with_grpo_adds_each_advantage_times_its_coefficient():
     # Four rows, two prompts: scores 1, 0 (uid 0) and 0.5, 0.5 (uid 1, all equal: GRPO 0).
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
@@ -88,11 +104,44 @@ def test_the_advantage_node_logs_the_distillation_metrics():
         batch_size=[2],
     )
     result, metrics = compute_advantages(batch, graph.node("advantage"), {})
-    assert_close(result[K.ADVANTAGES], torch.tensor([[1.0, -0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+    # The graph's batch-mean baseline: diffs 1, -0.5, 0 | 1 less their mean 0.375.
+    assert_close(result[K.ADVANTAGES], torch.tensor([[0.625, -0.875, -0.375, 0.0], [0.625, 0.0, 0.0, 0.0]]))
     # Means over the 4 response tokens: reverse KL = student - teacher.
     assert metrics["distill/reverse_kl"] == pytest.approx((-1.0 + 0.5 + 0.0 - 1.0) / 4)
     assert metrics["distill/teacher_log_prob"] == pytest.approx((-0.5 - 1.0 - 2.0 - 0.25) / 4)
     assert metrics["distill/student_log_prob"] == pytest.approx((-1.5 - 0.5 - 2.0 - 1.25) / 4)
+
+
+def test_the_student_log_probs_can_be_the_rollouts_own(tmp_path):
+    """student_log_probs: rollout takes the rollout engine's recorded log-probs in place of an
+    old_log_probs input, and refuses a batch where the rollout recorded only some."""
+    from hybridflow.graph.dag import load_graph
+    from hybridflow.workers.algo_steps import compute_advantages
+
+    spec = yaml.safe_load(DISTILL.read_text())
+    spec["nodes"] = [n for n in spec["nodes"] if n["name"] != "old_log_prob"]
+    advantage = next(n for n in spec["nodes"] if n["name"] == "advantage")
+    advantage["inputs"].remove("old_log_probs")
+    advantage["options"]["student_log_probs"] = "rollout"
+    update = next(n for n in spec["nodes"] if n["name"] == "update_actor")
+    update["inputs"].remove("old_log_probs")
+    path = tmp_path / "distill_rollout.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    graph = load_graph(path)
+    assert graph.reads_rollout_log_probs("actor")
+    assert not load_graph(DISTILL).reads_rollout_log_probs("actor")
+    batch = TensorDict(
+        {K.RESPONSE_MASK: MASK, K.TEACHER_LOG_PROBS: TEACHER, K.ROLLOUT_LOG_PROBS: STUDENT,
+         K.ROLLOUT_LOG_PROBS_RECORDED: torch.tensor([True, True]),
+         K.SCORES: torch.tensor([1.0, 0.0]), K.UID: torch.tensor([0, 1])},
+        batch_size=[2],
+    )
+    result, metrics = compute_advantages(batch, graph.node("advantage"), {})
+    assert_close(result[K.ADVANTAGES], torch.tensor([[0.625, -0.875, -0.375, 0.0], [0.625, 0.0, 0.0, 0.0]]))
+    assert metrics["distill/student_log_prob"] == pytest.approx((-1.5 - 0.5 - 2.0 - 1.25) / 4)
+    batch[K.ROLLOUT_LOG_PROBS_RECORDED] = torch.tensor([True, False])
+    with pytest.raises(ValueError, match="needs the rollout's log-probs of every sample"):
+        compute_advantages(batch, graph.node("advantage"), {})
 
 
 # -- a saved run as a model source --------------------------------------------------------------

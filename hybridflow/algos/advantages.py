@@ -358,6 +358,7 @@ def distill_advantage(
     student_log_probs: torch.Tensor,
     distill_coef: float = 1.0,
     distill_gamma: float = 0.0,
+    distill_baseline: str = "none",
     reward_coef: float = 0.0,
     reward_estimator: str = "grpo",
     reduce_sum: ReduceSum = local_sum,
@@ -371,7 +372,11 @@ def distill_advantage(
 
     ``D`` is the per-token difference itself when ``distill_gamma`` is 0 (the default: a
     token is credited with its own divergence only, no return over later tokens), else its
-    discounted return over the row's later valid tokens (``discounted_returns``).
+    discounted return over the row's later valid tokens (``discounted_returns``). With
+    ``distill_baseline="batch_mean"`` the mean of ``D`` over every response token of the batch
+    is subtracted: a baseline that does not depend on the sampled token, so the expected
+    gradient is unchanged and its variance falls (``D`` is mostly negative, ``-KL`` on
+    average, so without it every sampled token is pushed down and only the differences teach).
     ``A_reward`` is the registered ``reward_estimator`` (e.g. ``grpo``) on the same fields
     (``scores``, ``uid``, ...) and its options; skipped when ``reward_coef`` is 0, so a pure
     distillation needs no score. ``student_log_probs`` are the behaviour policy's
@@ -384,6 +389,7 @@ def distill_advantage(
         student_log_probs: (B, R) float, the student's, at sampling.
         distill_coef: weight of the distillation term.
         distill_gamma: discount of the distillation return (0: per-token).
+        distill_baseline: ``none`` or ``batch_mean`` (subtract D's mean over the batch's tokens).
         reward_coef: weight of the reward advantage (0: pure distillation).
         reward_estimator: registered estimator giving the reward advantage.
 
@@ -400,6 +406,9 @@ def distill_advantage(
     diff = (teacher_log_probs - student_log_probs) * mask_f
     if distill_gamma > 0:
         diff = discounted_returns(diff, response_mask, distill_gamma)
+    if distill_baseline == "batch_mean":
+        total, count = reduce_sum(torch.stack([diff.sum(), mask_f.sum()]))
+        diff = (diff - total / count.clamp(min=1)) * mask_f
     advantages = distill_coef * diff
     if reward_coef != 0:
         if reward_estimator == "distill":

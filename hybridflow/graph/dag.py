@@ -140,12 +140,14 @@ class Graph:
 
     def reads_rollout_log_probs(self, model: str) -> bool:
         """Whether an update of ``model`` reads every sample's ``rollout_log_probs`` (rollout
-        correction, ``old_log_probs: rollout``), beyond the consistency check's sample."""
-        return any(
-            isinstance(node.spec.options, UpdateOptions) and node.model == model
-            and (node.spec.options.rollout_correction is not None or node.spec.options.old_log_probs == "rollout")
-            for node in self.nodes
-        )
+        correction, ``old_log_probs: rollout``), or a distillation advantage of it takes them as
+        the student's (``student_log_probs: rollout``), beyond the consistency check's sample."""
+        def reads(opts) -> bool:
+            if isinstance(opts, UpdateOptions):
+                return opts.rollout_correction is not None or opts.old_log_probs == "rollout"
+            return (isinstance(opts, AdvantageOptions) and opts.estimator == "distill"
+                    and opts.student_log_probs == "rollout")
+        return any(node.model == model and reads(node.spec.options) for node in self.nodes)
 
     def redundant_nodes(self) -> dict[str, str]:
         """Nodes whose outputs the graph could compute for free, with why: a ``log_prob`` node
@@ -407,12 +409,14 @@ def _check_distill(node: Node, file: str, where: str) -> None:
     opts = node.spec.options
     if not (isinstance(opts, AdvantageOptions) and opts.estimator == "distill"):
         return
-    missing = [k for k in ("teacher_log_probs", "old_log_probs") if k not in node.inputs]
+    needed = ("teacher_log_probs",) if opts.student_log_probs == "rollout" else ("teacher_log_probs", "old_log_probs")
+    missing = [k for k in needed if k not in node.inputs]
     if missing:
         raise SpecError(
             file, f"{where}.inputs",
             f"estimator distill reads the teacher's and the student's log-probs; add {missing} "
-            "(a log_prob node on a teacher model, and one on the actor)",
+            "(a log_prob node on a teacher model, and one on the actor unless "
+            "options.student_log_probs is rollout)",
         )
 
 

@@ -651,7 +651,8 @@ class AdvantageOptions(Spec):
     from the node's keys: a score key (``scores`` / ``costs``), optionally a values key
     (``values`` / ``cost_values``), ``baseline_scores`` (ReMax), and ``old_log_probs`` +
     ``ref_log_probs`` when ``kl_coef`` puts a KL penalty into the token rewards, and
-    ``teacher_log_probs`` + ``old_log_probs`` for the ``distill`` estimator."""
+    ``teacher_log_probs`` + ``old_log_probs`` for the ``distill`` estimator (``old_log_probs`` unless
+    ``student_log_probs`` is ``rollout``)."""
 
     estimator: str = Field(
         "grpo",
@@ -683,11 +684,22 @@ class AdvantageOptions(Spec):
         description="distill: discount of the distillation return over later tokens; 0 = each "
         "token's own difference only.",
     )
+    distill_baseline: Literal["none", "batch_mean"] = Field(
+        "none",
+        description="distill: 'batch_mean' subtracts the mean of teacher_log_prob - student_log_prob "
+        "over the batch's response tokens (a baseline: same expected gradient, less variance).",
+    )
     reward_coef: float = Field(
         0.0, ge=0, description="distill: weight of the reward advantage mixed in; 0 = pure distillation."
     )
     reward_estimator: str = Field(
         "grpo", description="distill: the registered estimator of the reward advantage (its options are this node's)."
+    )
+    student_log_probs: Literal["recomputed", "rollout"] = Field(
+        "recomputed",
+        description="distill: the student's log-probs of its sampled tokens. 'recomputed': the "
+        "old_log_probs input (a log_prob node on the actor); 'rollout': the rollout engine's own, "
+        "recorded while sampling, which saves that forward pass.",
     )
 
     @field_validator("estimator", "reward_estimator")

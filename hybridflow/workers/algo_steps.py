@@ -125,7 +125,7 @@ def compute_advantages(
     prefix = "cost_" if out_fields[0] == K.COST_ADVANTAGES else ""
     metrics: dict[str, float] = {}
     if "teacher_log_probs" in node.inputs:
-        teacher, student = batch[K.TEACHER_LOG_PROBS].float(), batch[K.OLD_LOG_PROBS].float()
+        teacher, student = batch[K.TEACHER_LOG_PROBS].float(), _student_log_probs(batch, node)
         fields["teacher_log_probs"], fields["student_log_probs"] = teacher, student
         metrics["distill/reverse_kl"] = float(masked_mean(student - teacher, mask, reduce_sum))
         metrics["distill/teacher_log_prob"] = float(masked_mean(teacher, mask, reduce_sum))
@@ -143,7 +143,7 @@ def compute_advantages(
         num_samples = int(reduce_sum(torch.tensor(float(mask.shape[0]))))
         controller.update(mean_kl, num_steps=num_samples)
     estimator_options = opts.model_dump(
-        exclude={"estimator", "kl_coef", "kl_estimator", "kl_bound", "kl_target", "kl_horizon"}
+        exclude={"estimator", "kl_coef", "kl_estimator", "kl_bound", "kl_target", "kl_horizon", "student_log_probs"}
     )
     advantages, returns = ADV_ESTIMATORS.get(opts.estimator)(
         **fields, token_rewards=token_rewards, reduce_sum=reduce_sum, **estimator_options
@@ -154,6 +154,18 @@ def compute_advantages(
         {out_fields[0]: advantages.float(), out_fields[1]: returns.float()}, batch_size=batch.batch_size
     )
     return result, metrics
+
+
+def _student_log_probs(batch: TensorDict, node: Node) -> torch.Tensor:
+    """A distillation advantage's student log-probs: the ``old_log_probs`` input, or with
+    ``student_log_probs: rollout`` the rollout engine's, which it recorded for every sample."""
+    if node.spec.options.student_log_probs == "recomputed":
+        return batch[K.OLD_LOG_PROBS].float()
+    recorded = batch.get(K.ROLLOUT_LOG_PROBS_RECORDED, None)
+    if K.ROLLOUT_LOG_PROBS not in batch.keys() or (recorded is not None and not bool(recorded.all())):
+        raise ValueError(f"advantage {node.name!r} (student_log_probs: rollout) needs the rollout's "
+                         "log-probs of every sample; this rollout did not record them")
+    return batch[K.ROLLOUT_LOG_PROBS].float()
 
 
 def apply_safety(
