@@ -13,6 +13,7 @@ Exit code 0 when every rank is equal, 1 when one differs, 2 on a call that was n
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -82,9 +83,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
         differences = replay(path, str(run_dir / "tokenizer"), rank=args.rank, debug=args.pdb)
     except ReplayError as err:  # a rank's own traceback: the replay could not run, not a difference
         print(f"replay failed: {err}", file=sys.stderr)
-        return 1
+        return _end(args, 1)
     for rank, difference in differences.items():
         print(f"rank {rank}: {difference or 'equal'}")
     differing = [rank for rank, difference in differences.items() if difference]
     print(f"differs on rank(s) {differing}" if differing else "equal")
-    return 1 if differing else 0
+    return _end(args, 1 if differing else 0)
+
+
+def _end(args: argparse.Namespace, code: int) -> int:
+    """Under --pdb the debugged rank's worker lives in this process (``replay._KEPT``): end the
+    process here, without a teardown of its process groups, which can deadlock."""
+    if args.pdb:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -32,6 +32,11 @@ from hybridflow.workers.recording import (
 
 LOCALHOST = "127.0.0.1"
 DEBUG_TIMEOUT_S = 24 * 3600.0  # the spawned ranks wait on a person at the debugger
+# Replayed workers live until their process ends without tearing anything down (os._exit).
+# Freeing one frees its DDP reducer, whose gloo process group joins its worker thread while
+# this thread holds the GIL; that thread may still be freeing a finished collective's tensors,
+# which needs the GIL: both wait for ever (seen as a replay that hangs after its last op).
+_KEPT: list[ModelWorker] = []
 
 
 class ReplayError(RuntimeError):
@@ -78,6 +83,7 @@ def replay_rank(path: str | Path, rank: int, port: int, tokenizer_dir: str, debu
         return compare(torch.load(own / OUTPUT, weights_only=False), replayed)
     finally:
         worker.shutdown()
+        _KEPT.append(worker)
 
 
 def _free_port() -> int:
@@ -92,6 +98,11 @@ def _replay_child(path: str, rank: int, port: int, tokenizer_dir: str, timeout_s
         results.put((rank, replay_rank(path, rank, port, tokenizer_dir), None))
     except BaseException:  # reported by the parent, which stops
         results.put((rank, None, traceback.format_exc()))
+    results.close()
+    results.join_thread()  # the result is in the pipe
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no teardown of the kept worker (_KEPT)
 
 
 class _Peers:
