@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from hybridflow.algos import AdaptiveKLController, LagrangeMultiplier, local_sum
+from hybridflow.controller.metrics import reduce_metas
 from hybridflow.data import keys as K
 from hybridflow.graph.dag import resolve_node
 from hybridflow.spec.graph import AdvantageNode, ModelSpec, UpdateOptions
@@ -74,8 +75,8 @@ def _run_all(batch: TensorDict, reduce_sum) -> dict:
     for name, options, _ in CASES:
         node = _node(name, options)
         state = {f"kl_ctrl/{name}": AdaptiveKLController(0.05, 0.01, 100.0)}
-        result, metrics = algo_steps.compute_advantages(batch, node, state, reduce_sum)
-        out[name] = (result[K.ADVANTAGES], result[K.RETURNS], metrics, state[f"kl_ctrl/{name}"].value)
+        result, metrics, ratios = algo_steps.compute_advantages(batch, node, state, reduce_sum)
+        out[name] = (result[K.ADVANTAGES], result[K.RETURNS], metrics, state[f"kl_ctrl/{name}"].value, dict(ratios))
     safety = UpdateOptions(safety={"cost_threshold": 0.3, "lambda_init": 0.5, "lambda_lr": 1.0})
     local = batch.clone()
     metrics = algo_steps.apply_safety(local, safety, LagrangeMultiplier(0.5, 1.0, 0.3), reduce_sum)
@@ -103,7 +104,7 @@ def test_two_ranks_compute_the_statistics_of_one(tmp_path):
     whole = _run_all(_batch(), local_sum)
 
     for name, _, exact in CASES:
-        advantages, returns, metrics, kl_coef = whole[name]
+        advantages, returns, metrics, kl_coef, ratios = whole[name]
         got_adv = torch.cat([h[name][0] for h in halves])
         got_ret = torch.cat([h[name][1] for h in halves])
         if exact:
@@ -114,6 +115,10 @@ def test_two_ranks_compute_the_statistics_of_one(tmp_path):
         for half in halves:  # batch metrics and controllers: the same on every rank
             assert half[name][2] == pytest.approx(metrics, rel=1e-5, abs=1e-7), name
             assert half[name][3] == pytest.approx(kl_coef, rel=1e-6), name
+        # logged means: each rank sends its sums, the controller adds them (no collective)
+        combined = reduce_metas([{"num_samples": 1, "ratios": h[name][4]} for h in halves])
+        assert combined == pytest.approx(reduce_metas([{"num_samples": 1, "ratios": ratios}]), rel=1e-5, abs=1e-7), name
+        assert set(combined) == set(ratios) and len(combined) >= 2, name
     assert whole["gae_kl"][3] != 0.05  # the adaptive controller moved: the KL mean was used
 
     safe_adv = torch.cat([h["safety"][0] for h in halves])

@@ -318,7 +318,7 @@ def _advantage_node(name: str, inputs: list[str], outputs: list[str], **options)
 def test_compute_advantages_kl_in_reward_and_cost_keys():
     options = {"estimator": "gae", "kl_coef": 0.1, "kl_estimator": "k1"}
     state = {"kl_ctrl/adv": FixedKLController(0.1)}
-    out, metrics = algo_steps.compute_advantages(
+    out, metrics, ratios = algo_steps.compute_advantages(
         _rollout(),
         _advantage_node("adv", ["responses", "scores", "values", "old_log_probs", "ref_log_probs"], ["advantages"], **options),
         state,
@@ -328,16 +328,18 @@ def test_compute_advantages_kl_in_reward_and_cost_keys():
     expected = t([[1.0 - 0.5, 1.05 - 0.2, 1.05 - 0.4], [1.9 - 1.0, 1.9 - 0.5, 0.0]])
     assert_close(out[K.ADVANTAGES].double(), expected, rtol=0, atol=1e-6)
     assert_close(out[K.RETURNS].double(), t([[1.0, 1.05, 1.05], [1.9, 1.9, 0.0]]), rtol=0, atol=1e-6)
-    assert metrics["reward_kl/mean"] == pytest.approx((0.5 + 0 - 0.5 + 0 + 1) / 5)
+    assert ratios.means()["reward_kl/mean"] == pytest.approx((0.5 + 0 - 0.5 + 0 + 1) / 5)
+    assert ratios["reward_kl/mean"] == pytest.approx([1.0, 5.0])  # sums for the controller to add
+    assert metrics == {"reward_kl/coef": 0.1}
 
-    cost_out, cost_metrics = algo_steps.compute_advantages(
+    cost_out, _, cost_ratios = algo_steps.compute_advantages(
         _rollout(K.COSTS, K.COST_VALUES),
         _advantage_node("cost_adv", ["responses", "costs", "cost_values"], ["cost_advantages"], estimator="gae"),
         {},
     )
     assert set(cost_out.keys()) == {K.COST_ADVANTAGES, K.COST_RETURNS}
     assert_close(cost_out[K.COST_ADVANTAGES].double(), t([[0.5, 0.8, 0.6], [1.0, 1.5, 0.0]]), rtol=0, atol=1e-6)
-    assert "cost_advantage/abs_mean" in cost_metrics
+    assert "cost_advantage/abs_mean" in cost_ratios
     with pytest.raises(ValueError, match="needs inputs"):
         algo_steps.compute_advantages(
             _rollout(), _advantage_node("adv", ["responses", "scores", "values"], ["advantages"], **options), state

@@ -103,7 +103,8 @@ def test_the_advantage_node_logs_the_distillation_metrics():
          K.SCORES: torch.tensor([1.0, 0.0]), K.UID: torch.tensor([0, 1])},
         batch_size=[2],
     )
-    result, metrics = compute_advantages(batch, graph.node("advantage"), {})
+    result, _, ratios = compute_advantages(batch, graph.node("advantage"), {})
+    metrics = ratios.means()
     # The graph's batch-mean baseline: diffs 1, -0.5, 0 | 1 less their mean 0.375.
     assert_close(result[K.ADVANTAGES], torch.tensor([[0.625, -0.875, -0.375, 0.0], [0.625, 0.0, 0.0, 0.0]]))
     # Means over the 4 response tokens: reverse KL = student - teacher.
@@ -136,9 +137,9 @@ def test_the_student_log_probs_can_be_the_rollouts_own(tmp_path):
          K.SCORES: torch.tensor([1.0, 0.0]), K.UID: torch.tensor([0, 1])},
         batch_size=[2],
     )
-    result, metrics = compute_advantages(batch, graph.node("advantage"), {})
+    result, _, ratios = compute_advantages(batch, graph.node("advantage"), {})
     assert_close(result[K.ADVANTAGES], torch.tensor([[0.625, -0.875, -0.375, 0.0], [0.625, 0.0, 0.0, 0.0]]))
-    assert metrics["distill/student_log_prob"] == pytest.approx((-1.5 - 0.5 - 2.0 - 1.25) / 4)
+    assert ratios.means()["distill/student_log_prob"] == pytest.approx((-1.5 - 0.5 - 2.0 - 1.25) / 4)
     batch[K.ROLLOUT_LOG_PROBS_RECORDED] = torch.tensor([True, False])
     with pytest.raises(ValueError, match="needs the rollout's log-probs of every sample"):
         compute_advantages(batch, graph.node("advantage"), {})

@@ -213,3 +213,20 @@ def test_mlflow_tracking_uri_wins_over_the_run_dir_store(tmp_path, monkeypatch):
     run_id = (run_dir / "mlflow" / "run_id").read_text().strip()
     history = MlflowClient(tracking_uri=f"sqlite:///{store}").get_metric_history(run_id, "reward/mean")
     assert [(m.step, m.value) for m in history] == [(1, 0.25)]
+
+
+def test_rank_metrics_combine_as_weighted_means_sums_and_ratios():
+    from hybridflow.controller.metrics import reduce_metas
+
+    metas = [
+        {"num_samples": 3, "metrics": {"reward/mean": 1.0, "reward/sq_mean": 1.0},
+         "sums": {"reward/num_errors": 1.0}, "ratios": {"advantage/abs_mean": [6.0, 4.0], "empty": [0.0, 0.0]}},
+        {"num_samples": 1, "metrics": {"reward/mean": 0.0, "reward/sq_mean": 0.0},
+         "sums": {"reward/num_errors": 2.0}, "ratios": {"advantage/abs_mean": [0.0, 2.0], "empty": [0.0, 0.0]}},
+    ]
+    out = reduce_metas(metas)
+    assert out["reward/mean"] == pytest.approx(0.75)  # weighted by samples
+    assert out["reward/std"] == pytest.approx((0.75 - 0.75**2) ** 0.5)
+    assert out["reward/num_errors"] == 3.0
+    assert out["advantage/abs_mean"] == pytest.approx(1.0)  # (6 + 0) / (4 + 2) tokens, not (1.5 + 0) / 2
+    assert out["empty"] == 0.0

@@ -8,10 +8,12 @@ role is the op record's ``slots`` (``hybridflow.graph.ops``), checked when the g
 validated; ``graph_keys()`` gives each key's batch fields.
 
 Each rank holds whole prompt groups (the DP split keeps them together), so group statistics
-are local. Batch-wide statistics (whitening, ``scope: batch``, the KL-in-reward mean, the mean
-cost of the Lagrangian, the critic's explained variance, the metrics) all-reduce their partial
-sums over the data-parallel group (``dp_sum``): no rank gathers the batch, and the result does
-not depend on the number of ranks (up to float rounding of the sums).
+are local. Batch-wide statistics that the math needs (whitening, ``scope: batch``, the adaptive
+KL-in-reward mean, the mean cost of the Lagrangian, the critic's explained variance) all-reduce
+their partial sums over the data-parallel group (``dp_sum``): no rank gathers the batch, and the
+result does not depend on the number of ranks (up to float rounding of the sums). A statistic
+that is only logged takes no collective: it leaves the rank as a ``Ratios`` entry (numerator and
+denominator), which the controller adds over the ranks and divides.
 """
 
 from __future__ import annotations
@@ -97,12 +99,29 @@ def build_controllers(spec: GraphSpec, models: list[str]) -> dict[str, Any]:
     return state
 
 
+class Ratios(dict):
+    """Metrics that leave a rank as partial sums (``name -> [numerator, denominator]``), for the
+    controller to add over the ranks and divide (``controller.metrics.reduce_metas``): a mean
+    over a batch split across ranks, without a collective."""
+
+    def masked_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """Add ``values`` (B, R) where ``mask`` is 1 to the mean ``name``."""
+        mask = mask.to(torch.float64)
+        total, count = float((values.to(torch.float64) * mask).sum()), float(mask.sum())
+        numerator, denominator = self.get(name, (0.0, 0.0))
+        self[name] = [numerator + total, denominator + count]
+
+    def means(self) -> dict[str, float]:
+        """The means of this rank's part alone (0 where the denominator is 0)."""
+        return {name: num / den if den else 0.0 for name, (num, den) in self.items()}
+
+
 def compute_advantages(
     batch: TensorDict, node: Node, state: dict[str, Any], reduce_sum: ReduceSum = local_sum
-) -> tuple[TensorDict, dict[str, float]]:
+) -> tuple[TensorDict, dict[str, float], Ratios]:
     """Run the advantage node's estimator on this rank's part of the batch (whole prompt
-    groups; batch statistics through ``reduce_sum``); returns its advantages and returns, and
-    metrics over the whole batch."""
+    groups; batch statistics through ``reduce_sum``); returns its advantages and returns, the
+    metrics that are the same on every rank, and the logged means as this rank's ``Ratios``."""
     opts: AdvantageOptions = node.spec.options
     score_field = _fields(node, "score")[0]
     values_field = _fields(node, "values")
@@ -124,12 +143,13 @@ def compute_advantages(
     token_rewards = place_sequence_reward(fields["scores"], mask)
     prefix = "cost_" if out_fields[0] == K.COST_ADVANTAGES else ""
     metrics: dict[str, float] = {}
+    ratios = Ratios()
     if "teacher_log_probs" in node.inputs:
         teacher, student = batch[K.TEACHER_LOG_PROBS].float(), _student_log_probs(batch, node)
         fields["teacher_log_probs"], fields["student_log_probs"] = teacher, student
-        metrics["distill/reverse_kl"] = float(masked_mean(student - teacher, mask, reduce_sum))
-        metrics["distill/teacher_log_prob"] = float(masked_mean(teacher, mask, reduce_sum))
-        metrics["distill/student_log_prob"] = float(masked_mean(student, mask, reduce_sum))
+        ratios.masked_mean("distill/reverse_kl", student - teacher, mask)
+        ratios.masked_mean("distill/teacher_log_prob", teacher, mask)
+        ratios.masked_mean("distill/student_log_prob", student, mask)
     if opts.kl_coef > 0:
         controller = state[f"kl_ctrl/{node.name}"]
         kl = kl_penalty(
@@ -137,23 +157,24 @@ def compute_advantages(
         )
         kl = kl * mask
         token_rewards = token_rewards - controller.value * kl
-        mean_kl = float(masked_mean(kl, mask, reduce_sum))
-        metrics[f"{prefix}reward_kl/mean"] = mean_kl
+        ratios.masked_mean(f"{prefix}reward_kl/mean", kl, mask)
         metrics[f"{prefix}reward_kl/coef"] = controller.value
-        num_samples = int(reduce_sum(torch.tensor(float(mask.shape[0]))))
-        controller.update(mean_kl, num_steps=num_samples)
+        if isinstance(controller, AdaptiveKLController):  # its step needs the whole batch's KL
+            mean_kl = float(masked_mean(kl, mask, reduce_sum))
+            num_samples = int(reduce_sum(torch.tensor(float(mask.shape[0]))))
+            controller.update(mean_kl, num_steps=num_samples)
     estimator_options = opts.model_dump(
         exclude={"estimator", "kl_coef", "kl_estimator", "kl_bound", "kl_target", "kl_horizon", "student_log_probs"}
     )
     advantages, returns = ADV_ESTIMATORS.get(opts.estimator)(
         **fields, token_rewards=token_rewards, reduce_sum=reduce_sum, **estimator_options
     )
-    metrics[f"{prefix}advantage/abs_mean"] = float(masked_mean(advantages.abs(), mask, reduce_sum))
-    metrics[f"{prefix}returns/mean"] = float(masked_mean(returns, mask, reduce_sum))
+    ratios.masked_mean(f"{prefix}advantage/abs_mean", advantages.abs(), mask)
+    ratios.masked_mean(f"{prefix}returns/mean", returns, mask)
     result = TensorDict(
         {out_fields[0]: advantages.float(), out_fields[1]: returns.float()}, batch_size=batch.batch_size
     )
-    return result, metrics
+    return result, metrics, ratios
 
 
 def _student_log_probs(batch: TensorDict, node: Node) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """``advantage``: the node's registered estimator (``hybridflow.algos``) on this rank's whole
-prompt groups; batch statistics all-reduced over the data-parallel group."""
+prompt groups; batch statistics the estimator needs all-reduced over the data-parallel group,
+logged means sent to the controller as sums (``algo_steps.Ratios``)."""
 
 from __future__ import annotations
 
@@ -12,5 +13,5 @@ from hybridflow.workers.context import WorkerContext
 
 def advantage(ctx: WorkerContext, batch: TensorDict, node: Node) -> tuple[TensorDict, dict]:
     reduce_sum = algo_steps.dp_sum(ctx.dp_group(node.model))
-    result, metrics = algo_steps.compute_advantages(batch, node, ctx.extra_state, reduce_sum)
-    return result, {"metrics": metrics}
+    result, metrics, ratios = algo_steps.compute_advantages(batch, node, ctx.extra_state, reduce_sum)
+    return result, {"metrics": metrics, "ratios": dict(ratios)}
