@@ -223,3 +223,101 @@ def test_a_rule_stuck_on_every_sample_stops_the_run_soon(options, stopped, bound
     lines = [line for line in err.splitlines() if line.startswith("stopped:")]
     assert len(lines) == 1 and re.search(f"reward {STUCK}:stuck_after_a_mark: {stopped}", lines[0]), err[-2000:]
     assert ended - float(mark.read_text()) < bound_s
+
+
+# -- in the worker's own process (built-in rules; options.num_workers: 0) -----------------------
+
+
+def _loops_on_x(prompt, response, truth):
+    while response == "x":  # stuck in Python, catching what it can
+        try:
+            pass
+        except Exception:
+            pass
+    return 1.0
+
+
+def _sleeps_on_x(prompt, response, truth):
+    if response == "x":
+        time.sleep(3.0)  # blocked in C: cannot be interrupted, only left behind
+    return 1.0
+
+
+def _rule_threads() -> int:
+    import threading
+
+    return sum(t.name == "hybridflow-rule" for t in threading.enumerate())
+
+
+def _until(condition, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+@pytest.mark.parametrize("rule", [_loops_on_x, _sleeps_on_x], ids=["python_loop", "blocked_in_c"])
+def test_in_process_a_stuck_call_is_a_timeout_and_the_batch_goes_on(rule):
+    """The fourth of eight calls hangs: it is a timeout after timeout_s, the others are scored
+    once each, in order; a Python loop is stopped (its helper thread ends), a sleep in C is left
+    to end on its own without the batch waiting for it."""
+    from hybridflow.rewards.in_process import call_in_process
+
+    calls = []
+    counting = lambda p, r, g: calls.append(r) or rule(p, r, g)  # noqa: E731
+    items = [("p", "x" if i == 3 else f"a{i}", "") for i in range(8)]
+    started = time.monotonic()
+    outcomes = call_in_process(counting, items, 0.3)
+    assert time.monotonic() - started < 2.0
+    assert outcomes == [("ok", 1.0)] * 3 + [("timeout", "")] + [("ok", 1.0)] * 4
+    assert sorted(calls) == sorted(r for _, r, _ in items)
+    assert _until(lambda: _rule_threads() == 0), "the abandoned helper never ended"
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"first_timeout_stops": True}, r"^sample 0 took longer than timeout_s=0.2 s$"),
+    ({"max_timeout_frac": 0.125}, r"^2 of the batch's 8 calls took longer than timeout_s=0.2 s, more than max_timeout_frac=0.125$"),
+    ({"batch_timeout_s": 0.5, "max_timeout_frac": 1.0}, r"^the batch's 8 calls took longer than batch_timeout_s=0.5 s"),
+], ids=["first_timeout", "timeout_share", "batch_bound"])
+def test_in_process_a_batch_stuck_on_every_call_stops_early(options, message):
+    from hybridflow.rewards.in_process import call_in_process
+    from hybridflow.rewards.pool import BatchStopped
+
+    started = time.monotonic()
+    with pytest.raises(BatchStopped, match=message):
+        call_in_process(_loops_on_x, [("p", "x", "")] * 8, 0.2, **options)
+    assert time.monotonic() - started < 1.5
+    assert _until(lambda: _rule_threads() == 0)
+
+
+def test_in_process_errors_and_values_are_outcomes():
+    from hybridflow.rewards.in_process import call_in_process
+
+    def rule(p, r, g):
+        return {"a": 1.0, "b": "two"}[r]
+
+    assert call_in_process(rule, [("p", "a", ""), ("p", "c", ""), ("p", "b", "")], 1.0) == [
+        ("ok", 1.0), ("error", "KeyError: 'c'"), ("ok", "two")]
+    assert call_in_process(rule, [], 1.0) == []
+
+
+def test_built_in_task_rules_score_in_process_and_others_in_a_scoring_process():
+    """options.num_workers: null (the default) keeps hybridflow.data.tasks' rules in the worker
+    (no process round trip per batch) and sends any other scorer to a killable process."""
+    from hybridflow.rewards.remote import RewardSources
+    from hybridflow.spec.graph import ModelSource
+
+    assert ScoreOptions().num_workers is None
+    built_in = RewardSources(ModelSource(rule="hybridflow.data.tasks:copy_reward"))
+    other = RewardSources(ModelSource(rule=f"{HERE}:too_big_for_float32"))
+    try:
+        assert built_in._pool_of(None) is None
+        assert isinstance(built_in._pool_of(2), ScorePool)
+        assert isinstance(other._pool_of(None), ScorePool) and other._pool.num_workers == 1
+        assert other._pool_of(0) is None
+        result = built_in.score(["ab="], ["ab"], ["ab"], on_error="fail", default_reward=0.0,
+                                timeout_s=1.0, num_workers=None)
+        assert result.scores.tolist() == [1.0]
+    finally:
+        built_in.close()
+        other.close()

@@ -149,6 +149,9 @@ class ScoreResult:
 
 
 DEFAULT_COMPUTE_SCORE = "hybridflow.rewards.default:compute_score"
+# Scorers cheap and plain enough to run in the worker's process by default: pure Python on
+# short strings, microseconds a call, no signals. A scoring process costs more than their calls.
+IN_PROCESS_RULES = ("hybridflow.data.tasks:",)
 
 
 def row_fields(batch) -> dict[str, list]:
@@ -187,7 +190,8 @@ class RewardSources:
 
     Local calls (rules and compute_score) run in a ``ScorePool`` of ``num_workers`` processes
     (``rewards.pool``; the score node's ``options.num_workers``), or in this process when it
-    is 0. Several compute_score functions give the weighted sum of their scores, each kept as a
+    is 0 (``rewards.in_process``); None picks 0 when every local scorer is a built-in task rule
+    (``IN_PROCESS_RULES``), else 1. Several compute_score functions give the weighted sum of their scores, each kept as a
     component.
     """
 
@@ -213,8 +217,10 @@ class RewardSources:
         self.single = len(self.sources) == 1 and self.spec is None
         self._pool: ScorePool | None = None
 
-    def _pool_of(self, num_workers: int) -> ScorePool | None:
+    def _pool_of(self, num_workers: int | None) -> ScorePool | None:
         local = [where for where, kind, _ in self.sources.values() if kind != "remote"]
+        if num_workers is None:
+            num_workers = 0 if all(where.startswith(IN_PROCESS_RULES) for where in local) else 1
         if num_workers == 0 or not local:
             return None
         if self._pool is None or self._pool.num_workers != num_workers:
@@ -232,7 +238,7 @@ class RewardSources:
         on_error: str,
         default_reward: float,
         timeout_s: float | None,
-        num_workers: int = 0,
+        num_workers: int | None = 0,
         batch_timeout_s: float | None = None,
         max_timeout_frac: float | None = None,
         data_sources: Sequence[str] | None = None,

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import importlib
 import math
-import signal
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
 from hybridflow.data.echo import shorten
+from hybridflow.rewards.in_process import call_in_process
+from hybridflow.rewards.pool import BatchStopped
 
 RuleFn = Callable[[str, str, str], float]
 
@@ -39,10 +37,6 @@ class RewardError(RuntimeError):
 def is_finite_score(value: float) -> bool:
     """Whether ``value`` is finite after the cast to the scores' dtype (float32)."""
     return math.isfinite(value) and abs(value) <= _SCORE_MAX
-
-
-class RewardTimeout(Exception):
-    """One rule call ran past its time limit."""
 
 
 def load_rule(path: str) -> RuleFn:
@@ -66,36 +60,6 @@ def score_texts(
     """(B,) float32 scores of each (prompt, response, ground truth)."""
     values = [float(fn(p, r, g)) for p, r, g in zip(prompts, responses, ground_truths)]
     return torch.tensor(values, dtype=torch.float32)
-
-
-def _alarm(signum, frame):  # noqa: ARG001 - signal handler signature
-    raise RewardTimeout()
-
-
-def call_with_timeout(fn: Callable[[], float], timeout_s: float | None) -> float:
-    """``fn()``, raising ``RewardTimeout`` after ``timeout_s`` seconds.
-
-    In the main thread (Ray runs a sync actor's tasks there) a SIGALRM interrupts the call
-    itself, so a rule stuck in a Python loop stops. Elsewhere the call runs in a helper thread
-    that is abandoned on timeout (Python cannot kill a thread; it keeps running until it ends).
-    """
-    if timeout_s is None:
-        return fn()
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGALRM, _alarm)
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
-        try:
-            return fn()
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-    pool = ThreadPoolExecutor(max_workers=1)
-    try:
-        return pool.submit(fn).result(timeout=timeout_s)
-    except FutureTimeout:
-        raise RewardTimeout() from None
-    finally:
-        pool.shutdown(wait=False)
 
 
 def _as_score(value: object) -> float:
@@ -141,28 +105,21 @@ def score_items(
     ((B,) each, 0 where a sample lacks the key).
 
     With a ``pool`` (``rewards.pool.ScorePool``) ``fn`` is a ``module:function`` name and the
-    calls run in its processes; without, ``fn`` is called here (``call_with_timeout``). The
-    pool also stops the batch as a whole (``RewardError``): at its first timed-out call under
-    ``on_error: fail``, past ``batch_timeout_s``, or past ``max_timeout_frac`` of its calls
-    timed out; a rule that hangs on every sample would otherwise score zeros for minutes.
+    calls run in its processes; without, ``fn`` is called in this process
+    (``rewards.in_process``). Either way the batch can also stop as a whole (``RewardError``):
+    at its first timed-out call under ``on_error: fail``, past ``batch_timeout_s``, or past
+    ``max_timeout_frac`` of its calls timed out; a rule that hangs on every sample would
+    otherwise score zeros for minutes.
     """
-    if pool is not None:
-        from hybridflow.rewards.pool import BatchStopped
-
-        try:
-            outcomes = pool.call(fn, items, timeout_s, first_timeout_stops=on_error == "fail",
-                                 batch_timeout_s=batch_timeout_s, max_timeout_frac=max_timeout_frac)
-        except BatchStopped as exc:
-            raise RewardError(f"reward {name}: {exc}") from None
-    else:
-        outcomes = []
-        for item in items:
-            try:
-                outcomes.append(("ok", call_with_timeout(lambda: fn(*item), timeout_s)))
-            except RewardTimeout:
-                outcomes.append(("timeout", ""))
-            except Exception as exc:  # the user's function: anything can come out of it
-                outcomes.append(("error", f"{type(exc).__name__}: {exc}"))
+    limits = dict(first_timeout_stops=on_error == "fail", batch_timeout_s=batch_timeout_s,
+                  max_timeout_frac=max_timeout_frac)
+    try:
+        if pool is not None:
+            outcomes = pool.call(fn, items, timeout_s, **limits)
+        else:
+            outcomes = call_in_process(fn, items, timeout_s, **limits)
+    except BatchStopped as exc:
+        raise RewardError(f"reward {name}: {exc}") from None
     values, extras, num_errors = [], [], 0
     for i, (status, value) in enumerate(outcomes):
         if status == "ok":

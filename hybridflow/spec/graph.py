@@ -503,25 +503,27 @@ class ScoreOptions(EndingOptions):
     )
     timeout_s: float | None = Field(
         DEFAULT_SCORE_TIMEOUT_S, gt=0, description="Time limit of one rule/compute_score call (per "
-        "sample), in seconds: past it the call's process is killed and replaced, and the sample is "
-        "an error (on_error). null = no limit (a hanging rule then hangs the run).",
+        "sample), in seconds: past it the call is stopped (in a scoring process: the process is killed "
+        "and replaced) and the sample is an error (on_error). null = no limit (a hanging rule then hangs the run).",
     )
     batch_timeout_s: float | None = Field(
         300.0, gt=0, description="Time limit of all of a batch's rule/compute_score calls together, "
-        "in seconds: past it the run stops (one line), whatever on_error says. null = no limit. "
-        "Needs num_workers >= 1.",
+        "in seconds: past it the run stops (one line), whatever on_error says. null = no limit.",
     )
     max_timeout_frac: float = Field(
         0.25, ge=0, le=1, description="on_error: default: the run stops (one line) once more than "
         "this share of a batch's calls ran past timeout_s, rather than train on their "
-        "default_reward (on_error: fail stops at the first). Needs num_workers >= 1.",
+        "default_reward (on_error: fail stops at the first).",
     )
-    num_workers: int = Field(
-        1,
+    num_workers: int | None = Field(
+        None,
         ge=0,
         description="Processes that run the rule/compute_score calls, each call in a process's "
         "main thread (math-verify's signal-based timeouts work there) and killed past "
-        "timeout_s; 0 = in the worker itself (a timed-out call is then abandoned, not stopped).",
+        "timeout_s; 0 = in the worker itself, a batch in a helper thread, where a call past "
+        "timeout_s is interrupted if it runs Python and otherwise left to finish unwaited for. "
+        "null = 0 for the built-in tasks' rules (hybridflow.data.tasks:*, a few microseconds "
+        "a call), 1 for any other scorer.",
     )
 
 
