@@ -63,6 +63,9 @@ def test_distill_batch_mean_baseline_subtracts_the_mean_over_response_tokens():
         distill_baseline="batch_mean", reduce_sum=lambda sums: sums + torch.tensor([-3.5, 4.0]),
     )
     assert_close(adv, torch.tensor([[1.25, -0.25, 0.25, 0.0], [1.25, 0.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="distill_baseline must be 'none' or 'batch_mean', got 'mean'"):
+        ADV_ESTIMATORS.get("distill")(response_mask=MASK, teacher_log_probs=TEACHER, student_log_probs=STUDENT,
+                                      distill_baseline="mean")
 
 
 def test_distill_mixed_with_grpo_adds_each_advantage_times_its_coefficient():

@@ -155,12 +155,17 @@ def test_an_update_that_reads_rollout_log_probs_refuses_a_partly_recorded_batch(
     from hybridflow.workers.algo_steps import check_rollout_log_probs_recorded
 
     def batch(recorded):
-        return TensorDict({K.ROLLOUT_LOG_PROBS_RECORDED: torch.tensor(recorded)}, batch_size=[len(recorded)])
+        return TensorDict({K.ROLLOUT_LOG_PROBS_RECORDED: torch.tensor(recorded),
+                           K.ROLLOUT_LOG_PROBS: torch.zeros(len(recorded), 2)}, batch_size=[len(recorded)])
 
     reads = UpdateOptions(**options)
-    with pytest.raises(ValueError, match="'update_actor' reads rollout_log_probs.*only some samples"):
+    refused = r"'update_actor' \(reads rollout_log_probs\) needs the rollout's log-probs of every sample"
+    with pytest.raises(ValueError, match=refused):
         check_rollout_log_probs_recorded(batch([True, False, True]), reads, "update_actor")
+    with pytest.raises(ValueError, match=refused):  # none recorded at all
+        check_rollout_log_probs_recorded(TensorDict({}, batch_size=[3]), reads, "update_actor")
     check_rollout_log_probs_recorded(batch([True, True, True]), reads, "update_actor")
-    check_rollout_log_probs_recorded(TensorDict({}, batch_size=[3]), reads, "update_actor")  # hf rollout: no flag
+    hf_rollout = batch([True] * 3).exclude(K.ROLLOUT_LOG_PROBS_RECORDED)  # every row, no flag
+    check_rollout_log_probs_recorded(hf_rollout, reads, "update_actor")
     # An update that does not read them takes the sample (the consistency check's).
     check_rollout_log_probs_recorded(batch([True, False, False]), UpdateOptions(), "update_actor")

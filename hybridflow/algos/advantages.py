@@ -402,6 +402,8 @@ def distill_advantage(
             f"one (B, R) shape; got {tuple(teacher_log_probs.shape)}, "
             f"{tuple(student_log_probs.shape)}, {tuple(response_mask.shape)}"
         )
+    if distill_baseline not in ("none", "batch_mean"):
+        raise ValueError(f"distill_advantage: distill_baseline must be 'none' or 'batch_mean', got {distill_baseline!r}")
     mask_f = response_mask.to(teacher_log_probs.dtype)
     diff = (teacher_log_probs - student_log_probs) * mask_f
     if distill_gamma > 0:

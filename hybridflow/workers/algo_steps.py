@@ -182,10 +182,7 @@ def _student_log_probs(batch: TensorDict, node: Node) -> torch.Tensor:
     ``student_log_probs: rollout`` the rollout engine's, which it recorded for every sample."""
     if node.spec.options.student_log_probs == "recomputed":
         return batch[K.OLD_LOG_PROBS].float()
-    recorded = batch.get(K.ROLLOUT_LOG_PROBS_RECORDED, None)
-    if K.ROLLOUT_LOG_PROBS not in batch.keys() or (recorded is not None and not bool(recorded.all())):
-        raise ValueError(f"advantage {node.name!r} (student_log_probs: rollout) needs the rollout's "
-                         "log-probs of every sample; this rollout did not record them")
+    require_rollout_log_probs(batch, f"advantage {node.name!r} (student_log_probs: rollout)")
     return batch[K.ROLLOUT_LOG_PROBS].float()
 
 
@@ -214,15 +211,20 @@ def apply_safety(
     }
 
 
+def require_rollout_log_probs(batch: TensorDict, reader: str) -> None:
+    """Refuses a batch without the rollout's log-probs of every sample (a rollout records them
+    for only some with ``rollout.log_prob_check_samples``) for ``reader``, which needs them."""
+    recorded = batch.get(K.ROLLOUT_LOG_PROBS_RECORDED, None)
+    if K.ROLLOUT_LOG_PROBS not in batch.keys() or (recorded is not None and not bool(recorded.all())):
+        raise ValueError(f"{reader} needs the rollout's log-probs of every sample; this rollout recorded "
+                         "them for only some or none (rollout.log_prob_check_samples)")
+
+
 def check_rollout_log_probs_recorded(batch: TensorDict, opts: UpdateOptions, node_name: str) -> None:
     """An update that reads ``rollout_log_probs`` (``rollout_correction``, ``old_log_probs:
-    rollout``) needs every sample's: refuses a batch whose rollout recorded only some
-    (``rollout_log_probs_recorded``, ``rollout.log_prob_check_samples``)."""
-    reads = opts.rollout_correction is not None or opts.old_log_probs == "rollout"
-    recorded = batch.get(K.ROLLOUT_LOG_PROBS_RECORDED, None)
-    if reads and recorded is not None and not bool(recorded.all()):
-        raise ValueError(f"update {node_name!r} reads rollout_log_probs, but the rollout recorded them "
-                         "for only some samples (rollout.log_prob_check_samples)")
+    rollout``) needs every sample's (``require_rollout_log_probs``)."""
+    if opts.rollout_correction is not None or opts.old_log_probs == "rollout":
+        require_rollout_log_probs(batch, f"update {node_name!r} (reads rollout_log_probs)")
 
 
 def apply_rollout_correction(
