@@ -94,7 +94,8 @@ class LimitPath:
                                      system_prompt=spec.data.system_prompt)
 
     def step(self) -> tuple[dict[str, float], dict[str, float]]:
-        """One iteration: (seconds per node, the metrics of the score nodes)."""
+        """One iteration: (seconds per node, every node's metrics, as a run logs them)."""
+        from hybridflow.controller.metrics import reduce_metas
         from hybridflow.graph.dag import SOURCE
 
         outputs = {SOURCE: self.dataset.next_batch()}
@@ -109,8 +110,7 @@ class LimitPath:
             out, meta = self.worker.run_op(batch, node=node.name, coords=coords)
             times[node.name] = time.perf_counter() - start
             outputs[node.name] = out
-            if self.graph.op(node).scores:
-                metrics.update(meta.get("metrics", {}))
+            metrics.update(reduce_metas([{**meta, "num_samples": 1}]))
         return times, metrics
 
     def shutdown(self) -> None:

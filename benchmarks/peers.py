@@ -6,7 +6,7 @@
         [--hidden-size 256 --layers 4 --intermediate-size 512 --heads 4 --kv-heads 2]
         [--prompts 16 --samples 8 --max-new-tokens 64 --lr 1e-3 --temperature 1.0] [--iterations 50]
         [--fixed-length] [--bf16] [--compile] [--vllm-compile on|off] [--ranks 1|2]
-        [--trl-micro-batch-tokens 4096] [--micro-batch-tokens 1024]
+        [--trl-micro-batch-tokens 4096] [--micro-batch-tokens 1024] [--no-limit]
 
 Workload (the same for both; the defaults in brackets): a random-init Qwen2 built from one
 config (hidden [256], [4] layers, intermediate [512], [4] heads, [2] KV heads, tied embeddings),
@@ -82,7 +82,11 @@ normalise by the whole batch's tokens. What still differs (sampling RNG streams,
 is listed with its measured effect in benchmarks/RESULTS.md.
 
 After each TRL step (generation + update, timed by a callback from step begin to step end) the
-callback runs one hybridflow iteration, so both share the machine's state over time. Prints mean
+callback runs one hybridflow iteration, then one iteration of the limit (``benchmarks/limit.py``:
+the same graph's op bodies called in order in this process, one rank of all the threads, no Ray,
+no controller; ``--no-limit`` leaves it out), so all three share the machine's state over time.
+The limit is what hybridflow's engines and settings could do with no framework around them:
+limit/TRL says how far the engines allow, hybridflow/limit what the framework costs. Prints mean
 iteration time of each after warm-up, their ratio, tokens generated, time per generated token,
 and mean reward over the first and last 10 iterations, per seed and averaged, and the mean time
 of each stage: TRL's own profiling blocks (``_prepare_inputs`` holds generation and reward,
@@ -240,6 +244,16 @@ def hybridflow_trainer(run_dir: Path, args: argparse.Namespace, seed: int):
     trainer = Trainer(peers_graph(args, seed), run_dir=str(run_dir))
     trainer._setup()
     return trainer
+
+
+def limit_path(trainer):
+    """``benchmarks/limit.py``'s plain loop over the graph ``trainer`` runs: one in-process rank
+    holding every model, with the graph's ranks' threads together."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import limit
+
+    threads = limit.total_threads(trainer.graph)
+    return limit.LimitPath(limit.one_rank(trainer.graph, threads), trainer._total_optimizer_steps())
 
 
 def trl_generation_kwargs(args: argparse.Namespace) -> dict | None:
@@ -417,6 +431,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="TRL's samples per forward/backward instead (the largest divisor of the batch up to it)")
     run.add_argument("--micro-batch-tokens", type=int, default=1024,
                      help="hybridflow's train.micro_batch_tokens per rank (tiny model)")
+    run.add_argument("--limit", action=argparse.BooleanOptionalAction, default=True,
+                     help="also time benchmarks/limit.py's plain loop of the same graph each iteration "
+                          "(limit/TRL, hybridflow/limit)")
     args = parser.parse_args(argv)
     if args.model != "tiny" and (given := [k for k in ARCHITECTURE if getattr(args, k) is not None]):
         parser.error(f"--{given[0].replace('_', '-')} sets the tiny model's shape; --model {args.model} "
@@ -444,16 +461,24 @@ def _standard_error(values: list[float]) -> float:
     return stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
 
 
+SIDES = ("trl", "hybridflow", "limit")  # a run's attribute prefixes: trl_, hf_, limit_
+
+
 def summarise(args: argparse.Namespace, runs: list, load_before: tuple, load_after: tuple) -> dict:
-    """The JSON result: averages over seeds, per-seed numbers and per-iteration curves."""
+    """The JSON result: averages over seeds, per-seed numbers and per-iteration curves. The
+    ratios (``ratio_hybridflow_over_trl``, and with the limit ``ratio_limit_over_trl`` and
+    ``ratio_hybridflow_over_limit``) are means over the seeds of each seed's ratio of mean
+    iteration times."""
     w = args.warmup
+    sides_run = [side for side in SIDES
+                 if all(getattr(r, f"{'hf' if side == 'hybridflow' else side}_times", None) for r in runs)]
     per_seed = []
     for seed, r in zip(args.seeds, runs):
         sides = {}
-        for side, times, rewards, tokens, unfinished, stages in (
-            ("trl", r.trl_times, r.trl_rewards, r.trl_tokens, r.trl_unfinished, getattr(r, "trl_stages", [])),
-            ("hybridflow", r.hf_times, r.hf_rewards, r.hf_tokens, r.hf_unfinished, getattr(r, "hf_stages", [])),
-        ):
+        for side in sides_run:
+            prefix = "hf" if side == "hybridflow" else side
+            times, rewards, tokens, unfinished, stages = (
+                getattr(r, f"{prefix}_{name}", []) for name in ("times", "rewards", "tokens", "unfinished", "stages"))
             sides[side] = {
                 "iter_s": mean(times[w:]),
                 "tokens_per_iter": mean(tokens[w:]),
@@ -464,7 +489,10 @@ def summarise(args: argparse.Namespace, runs: list, load_before: tuple, load_aft
                 "stages_s": stage_means(stages, times, w) if stages else {},
                 "curves": {"reward": rewards, "tokens": tokens, "iter_s": times, "unfinished_frac": unfinished},
             }
-        per_seed.append({"seed": seed, **sides})
+        ratios = {f"ratio_{a}_over_{b}": sides[a]["iter_s"] / sides[b]["iter_s"]
+                  for a, b in (("hybridflow", "trl"), ("limit", "trl"), ("hybridflow", "limit"))
+                  if a in sides and b in sides}
+        per_seed.append({"seed": seed, **sides, **ratios})
 
     def over(side: str, key: str) -> float:
         return mean(run[side][key] for run in per_seed)
@@ -487,7 +515,7 @@ def summarise(args: argparse.Namespace, runs: list, load_before: tuple, load_aft
         "trl_generation_engine": args.trl_engine,
         "warmup": w,
     }
-    for side in ("trl", "hybridflow"):
+    for side in sides_run:
         for key in ("iter_s", "tokens_per_iter", "s_per_token", "reward_first10", "reward_last10",
                     "unfinished_last10"):
             result[f"{side}_{key}"] = over(side, key)
@@ -495,41 +523,50 @@ def summarise(args: argparse.Namespace, runs: list, load_before: tuple, load_aft
         result[f"{side}_stages_s"] = {name: mean(run[side]["stages_s"].get(name, 0.0) for run in per_seed)
                                       for name in sorted(names)}
         result[f"{side}_reward_last10_stderr"] = _standard_error([run[side]["reward_last10"] for run in per_seed])
-    result["ratio_hybridflow_over_trl"] = result["hybridflow_iter_s"] / result["trl_iter_s"]
+    for key in [k for k in per_seed[0] if k.startswith("ratio_")]:
+        result[key] = mean(run[key] for run in per_seed)
     result["per_seed"] = per_seed
     return result
 
 
 def print_tables(result: dict) -> None:
     print()
+    limited = "ratio_limit_over_trl" in result
     print("| seed | TRL reward first 10 -> last 10 | hybridflow reward first 10 -> last 10 | "
-          "TRL / hybridflow unfinished, last 10 | TRL / hybridflow s per iteration |")
-    print("| --- | --- | --- | --- | --- |")
+          "TRL / hybridflow unfinished, last 10 | TRL / hybridflow s per iteration |"
+          + (" limit s per iteration |" if limited else ""))
+    print("| --- | --- | --- | --- | --- |" + (" --- |" if limited else ""))
     for run in result["per_seed"]:
         t, h = run["trl"], run["hybridflow"]
         print(f"| {run['seed']} | {t['reward_first10']:.3f} -> {t['reward_last10']:.3f} | "
               f"{h['reward_first10']:.3f} -> {h['reward_last10']:.3f} | "
               f"{t['unfinished_last10']:.2f} / {h['unfinished_last10']:.2f} | "
-              f"{t['iter_s']:.3f} / {h['iter_s']:.3f} |")
+              f"{t['iter_s']:.3f} / {h['iter_s']:.3f} |" + (f" {run['limit']['iter_s']:.3f} |" if limited else ""))
     print()
     print("| system | mean iteration (s) | tokens generated / iteration | s per generated token | "
           "mean reward, last 10 (± standard error over seeds) |")
     print("| --- | --- | --- | --- | --- |")
     trl_engine = "vLLM colocate" if result["trl_generation_engine"] == "vllm" else "transformers"
-    for side, name in (("trl", f"TRL 1.16 GRPOTrainer ({trl_engine} generation)"),
-                       ("hybridflow", f"hybridflow ({result['hybridflow_rollout_engine']} rollout"
-                                      f"{', compiled' if result.get('hybridflow_vllm_compile') == 'on' else ''}, "
-                                      f"{result['hybridflow_ranks']} ranks)")):
+    engine = (f"{result['hybridflow_rollout_engine']} rollout"
+              f"{', compiled' if result.get('hybridflow_vllm_compile') == 'on' else ''}")
+    names = [("trl", f"TRL 1.16 GRPOTrainer ({trl_engine} generation)"),
+             ("hybridflow", f"hybridflow ({engine}, {result['hybridflow_ranks']} ranks)")]
+    if limited:
+        names.append(("limit", f"limit: the same ops in a plain loop ({engine}, 1 rank)"))
+    for side, name in names:
         print(f"| {name} | {result[f'{side}_iter_s']:.3f} | {result[f'{side}_tokens_per_iter']:.0f} | "
               f"{result[f'{side}_s_per_token'] * 1e3:.2f} ms | {result[f'{side}_reward_last10']:.3f} "
               f"± {result[f'{side}_reward_last10_stderr']:.3f} |")
-    for side in ("trl", "hybridflow"):
+    for side, _ in names:
         if result.get(f"{side}_stages_s"):
             print(f"\n{side} stages, mean s per timed iteration: " + ", ".join(
                 f"{name} {seconds:.3f}" for name, seconds in result[f"{side}_stages_s"].items()))
-    print(f"\nhybridflow / TRL iteration time: {result['ratio_hybridflow_over_trl']:.2f} "
-          f"(load average before/after: {result['load_average_before'][0]:.1f} / "
-          f"{result['load_average_after'][0]:.1f})")
+    ratios = f"hybridflow / TRL iteration time: {result['ratio_hybridflow_over_trl']:.2f}"
+    if limited:
+        ratios += (f"; limit / TRL: {result['ratio_limit_over_trl']:.2f}; "
+                   f"hybridflow / limit: {result['ratio_hybridflow_over_limit']:.2f}")
+    print(f"\n{ratios} (means over seeds of each seed's ratio; load average before/after: "
+          f"{result['load_average_before'][0]:.1f} / {result['load_average_after'][0]:.1f})")
 
 
 def main(argv=None) -> int:
@@ -539,11 +576,12 @@ def main(argv=None) -> int:
     from transformers import TrainerCallback
 
     class Alternate(TrainerCallback):
-        def __init__(self, hf):
-            self.hf = hf
+        def __init__(self, hf, limit=None):
+            self.hf, self.limit = hf, limit
             self.trl_times, self.trl_rewards, self.trl_tokens, self.trl_unfinished = [], [], [], []
             self.hf_times, self.hf_rewards, self.hf_tokens, self.hf_unfinished = [], [], [], []
-            self.trl_stages, self.hf_stages, self._trl_stage = [], [], record_trl_stages()
+            self.limit_times, self.limit_rewards, self.limit_tokens, self.limit_unfinished = [], [], [], []
+            self.trl_stages, self.hf_stages, self.limit_stages, self._trl_stage = [], [], [], record_trl_stages()
 
         def on_step_begin(self, *a, **k):
             self._trl_stage.clear()
@@ -560,9 +598,19 @@ def main(argv=None) -> int:
             self.hf_tokens.append(metrics["rollout/num_tokens"])
             self.hf_unfinished.append(metrics["reward/unfinished_frac"])
             self.hf_stages.append({k.removeprefix("timing/"): v for k, v in metrics.items()
-                                   if k.startswith("timing/") and k != "timing/iteration"})
-            print(f"iter {iteration:3d}  trl {self.trl_times[-1]:6.2f}s r={self.trl_rewards[-1]:.3f}  "
-                  f"hybridflow {self.hf_times[-1]:6.2f}s r={self.hf_rewards[-1]:.3f}", flush=True)
+                                   if k.startswith("timing/") and k not in ("timing/iteration", "timing/wall_s")})
+            line = (f"iter {iteration:3d}  trl {self.trl_times[-1]:6.2f}s r={self.trl_rewards[-1]:.3f}  "
+                    f"hybridflow {self.hf_times[-1]:6.2f}s r={self.hf_rewards[-1]:.3f}")
+            if self.limit is not None:
+                start = time.perf_counter()
+                stages, metrics = self.limit.step()
+                self.limit_times.append(time.perf_counter() - start)
+                self.limit_rewards.append(metrics["reward/mean"])
+                self.limit_tokens.append(metrics["rollout/num_tokens"])
+                self.limit_unfinished.append(metrics["reward/unfinished_frac"])
+                self.limit_stages.append(stages)
+                line += f"  limit {self.limit_times[-1]:6.2f}s r={self.limit_rewards[-1]:.3f}"
+            print(line, flush=True)
 
     load_before = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="peers-"))
@@ -571,10 +619,15 @@ def main(argv=None) -> int:
         hf = hybridflow_trainer(work / f"hybridflow-{seed}", args, seed)
         callback = Alternate(hf)
         trainer = trl_trainer(work / f"trl-{seed}", args, callback, seed)
+        # After TRL's Trainer has set up its (single-process) accelerate state: the limit's
+        # one-rank gloo group must not make it think it is distributed.
+        callback.limit = limit_path(hf) if args.limit else None
         try:
             trainer.train()
         finally:
             hf.shutdown()
+            if callback.limit is not None:
+                callback.limit.shutdown()
         runs.append(callback)
 
     result = summarise(args, runs, load_before, os.getloadavg())

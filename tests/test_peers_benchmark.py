@@ -140,6 +140,31 @@ def test_summary_keeps_the_keys_and_adds_curves():
     assert result["trl_stages_s"]["other"] == pytest.approx(1.0 - 0.6 - 0.1)
     assert result["hybridflow_stages_s"]["update_actor"] == pytest.approx(0.15)
     assert result["hybridflow_stages_s"]["other"] == pytest.approx(0.5 - 0.2 - 0.15)
+    assert "ratio_limit_over_trl" not in result and "limit_iter_s" not in result  # --no-limit
+
+
+def test_summary_ratios_are_means_over_seeds_with_the_limit_beside():
+    """With the limit's plain loop timed too, the JSON keeps ratio_hybridflow_over_trl and adds
+    ratio_limit_over_trl and ratio_hybridflow_over_limit, each the mean of the seeds' ratios."""
+    peers = _peers()
+    args = peers.parse_args(["--iterations", "12", "--seeds", "0", "1", "--warmup", "2"])
+    runs = []
+    for trl_s, hf_s, limit_s in ((1.0, 0.5, 0.4), (2.0, 0.5, 0.5)):
+        runs.append(SimpleNamespace(
+            trl_times=[trl_s] * 12, trl_rewards=[0.1] * 12, trl_tokens=[100] * 12, trl_unfinished=[0.5] * 12,
+            hf_times=[hf_s] * 12, hf_rewards=[0.2] * 12, hf_tokens=[50] * 12, hf_unfinished=[0.25] * 12,
+            limit_times=[limit_s] * 12, limit_rewards=[0.3] * 12, limit_tokens=[60] * 12,
+            limit_unfinished=[0.0] * 12,
+            limit_stages=[{"generate": 0.1, "reward": 0.01, "advantage": 0.01, "update_actor": 0.2}] * 12,
+        ))
+    result = peers.summarise(args, runs, (1.0, 1.0, 1.0), (2.0, 2.0, 2.0))
+    assert result["ratio_hybridflow_over_trl"] == pytest.approx((0.5 + 0.25) / 2)  # not 0.5 / 1.5
+    assert result["ratio_limit_over_trl"] == pytest.approx((0.4 + 0.25) / 2)
+    assert result["ratio_hybridflow_over_limit"] == pytest.approx((1.25 + 1.0) / 2)
+    assert result["per_seed"][0]["ratio_limit_over_trl"] == pytest.approx(0.4)
+    assert result["limit_reward_last10"] == pytest.approx(0.3) and result["limit_tokens_per_iter"] == 60
+    assert result["limit_stages_s"]["other"] == pytest.approx(0.45 - 0.1 - 0.2)
+    peers.print_tables(result)  # the limit's row and ratios print
 
 
 def test_fixed_length_reaches_both_sides():
