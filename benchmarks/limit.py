@@ -113,11 +113,25 @@ class LimitPath:
             metrics.update(reduce_metas([{**meta, "num_samples": 1}]))
         return times, metrics
 
-    def shutdown(self) -> None:
-        """Stop the score processes. The process group stays: a vLLM engine destroys its own
-        groups when the interpreter collects it at exit."""
+    def shutdown(self, release_process_group: bool = False) -> None:
+        """Stop the score processes. The process group stays unless ``release_process_group``
+        (another ``LimitPath`` is to start in this process): then the worker goes, and vLLM's
+        groups with torch's default group (vLLM's own cleanup, which destroys both)."""
         for sources in self.worker.rules.values():
             sources.close()
+        if release_process_group:
+            import gc
+
+            import torch.distributed as dist
+
+            del self.worker
+            gc.collect()
+            if "vllm" in sys.modules:
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def graph_from_args(args):

@@ -627,7 +627,7 @@ def main(argv=None) -> int:
         finally:
             hf.shutdown()
             if callback.limit is not None:
-                callback.limit.shutdown()
+                callback.limit.shutdown(release_process_group=True)  # the next seed starts its own
         runs.append(callback)
 
     result = summarise(args, runs, load_before, os.getloadavg())
