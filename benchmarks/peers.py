@@ -137,17 +137,24 @@ DEFAULTS = {
                 "vllm_compile": "off"},
 }
 ARCHITECTURE = ("hidden_size", "layers", "intermediate_size", "heads", "kv_heads")
+TINY_POSITIONS = 128  # the tiny models' max_position_embeddings (hybridflow.spec.graph's default config)
 
 
 def model_config(args: argparse.Namespace) -> dict:
-    """The workload's model fields, as a graph file's `source.config` names them."""
-    return {
+    """The workload's model fields, as a graph file's `source.config` names them. The position
+    table is the tiny default's 128 unless prompt and answer need more (then the next multiple
+    of 64)."""
+    config = {
         "hidden_size": args.hidden_size,
         "num_hidden_layers": args.layers,
         "intermediate_size": args.intermediate_size,
         "num_attention_heads": args.heads,
         "num_key_value_heads": args.kv_heads,
     }
+    length = PROMPT_LENGTH["tiny"] + args.max_new_tokens
+    if length > TINY_POSITIONS:
+        config["max_position_embeddings"] = -(-length // 64) * 64
+    return config
 
 
 def trl_model(config_overrides: dict, tokenizer, seed: int):

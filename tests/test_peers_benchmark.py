@@ -75,6 +75,15 @@ def test_workload_flags_reach_the_graph():
         peers.parse_args(["--hidden-size", "100", "--heads", "3"])
 
 
+def test_a_long_answer_gets_a_position_table_that_holds_it():
+    peers = _peers()
+    assert "max_position_embeddings" not in peers.model_config(peers.parse_args([]))  # 8 + 64 tokens
+    args = peers.parse_args(["--max-new-tokens", "128"])
+    assert peers.model_config(args)["max_position_embeddings"] == 192
+    graph = peers.peers_graph(args, 0)
+    assert graph.spec.models["actor"].source.config["max_position_embeddings"] == 192
+
+
 def test_an_odd_prompt_count_runs_on_one_rank():
     """Each rank takes whole prompt groups: an odd --prompts runs hybridflow on one rank of both
     threads (its graph then validates) unless --ranks 2 is asked for, which is refused."""
