@@ -72,11 +72,12 @@ class _Helper(threading.Thread):
                     return
                 self.results.append(outcome)
 
-    def abandon_at(self, index: int) -> list[Outcome] | None:
+    def abandon_at(self, index: int | None = None) -> list[Outcome] | None:
         """The outcomes before ``index`` if the helper is still on ``index`` (then it is
-        abandoned and told to stop); None if it has moved on since."""
+        abandoned and told to stop); None if it has moved on since. Without an index: abandon
+        it wherever it is and return what it finished."""
         with self.lock:
-            if self.current[0] != index or len(self.results) != index - self.start_index:
+            if index is not None and (self.current[0] != index or len(self.results) != index - self.start_index):
                 return None
             self.abandoned = True
             results = list(self.results)
@@ -111,8 +112,7 @@ def call_in_process(
                 break
             now = time.monotonic()
             if batch_deadline is not None and now >= batch_deadline:
-                helper.abandon_at(helper.current[0])
-                finished = sum(o is not None for o in outcomes) + len(helper.results)
+                finished = sum(o is not None for o in outcomes) + len(helper.abandon_at())
                 raise BatchStopped(
                     f"the batch's {len(items)} calls took longer than batch_timeout_s={batch_timeout_s:g} s "
                     f"({finished} finished, {num_timeouts} of them timed out)"

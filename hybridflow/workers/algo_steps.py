@@ -9,8 +9,8 @@ validated; ``graph_keys()`` gives each key's batch fields.
 
 Each rank holds whole prompt groups (the DP split keeps them together), so group statistics
 are local. Batch-wide statistics that the math needs (whitening, ``scope: batch``, the adaptive
-KL-in-reward mean, the mean cost of the Lagrangian, the critic's explained variance) all-reduce
-their partial sums over the data-parallel group (``dp_sum``): no rank gathers the batch, and the
+KL-in-reward mean, the mean cost of the Lagrangian) and the critic's explained variance (a
+logged ratio of variances, not yet sent as sums) all-reduce their partial sums over the data-parallel group (``dp_sum``): no rank gathers the batch, and the
 result does not depend on the number of ranks (up to float rounding of the sums). A statistic
 that is only logged takes no collective: it leaves the rank as a ``Ratios`` entry (numerator and
 denominator), which the controller adds over the ranks and divides.
