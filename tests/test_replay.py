@@ -158,7 +158,7 @@ def test_pdb_stops_in_the_ranks_body(grpo_run):
     assert "(Pdb) (1, 2)" in out
     assert "(Pdb) torch.Size([32])" in out  # 4 prompts x 16 samples over 2 ranks
     assert "-> reduce_sum = algo_steps.dp_sum" in out  # the body's first line, where pdb stopped
-    assert "-> result, metrics = algo_steps.compute_advantages" in out  # `n`: the next one
+    assert "-> result, metrics, ratios = algo_steps.compute_advantages" in out  # `n`: the next one
     assert out.endswith("(Pdb) rank 0: equal\nrank 1: equal\nequal\n"), out  # `c`: to the end
 
 
