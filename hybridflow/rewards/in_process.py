@@ -113,10 +113,7 @@ def call_in_process(
             now = time.monotonic()
             if batch_deadline is not None and now >= batch_deadline:
                 finished = sum(o is not None for o in outcomes) + len(helper.abandon_at())
-                raise BatchStopped(
-                    f"the batch's {len(items)} calls took longer than batch_timeout_s={batch_timeout_s:g} s "
-                    f"({finished} finished, {num_timeouts} of them timed out)"
-                )
+                raise BatchStopped.batch_too_long(len(items), batch_timeout_s, finished, num_timeouts)
             if timeout_s is None or now < began + timeout_s:
                 continue  # woken early, or the helper moved on to a later item
             results = helper.abandon_at(index)
@@ -126,12 +123,9 @@ def call_in_process(
             outcomes[index] = ("timeout", "")
             num_timeouts += 1
             if first_timeout_stops:
-                raise BatchStopped(f"sample {index} took longer than timeout_s={timeout_s:g} s")
+                raise BatchStopped.first_timeout(index, timeout_s)
             if max_timeout_frac is not None and num_timeouts > max_timeout_frac * len(items):
-                raise BatchStopped(
-                    f"{num_timeouts} of the batch's {len(items)} calls took longer than "
-                    f"timeout_s={timeout_s:g} s, more than max_timeout_frac={max_timeout_frac:g}"
-                )
+                raise BatchStopped.too_many_timeouts(num_timeouts, len(items), timeout_s, max_timeout_frac)
             start = index + 1
             break
     return outcomes

@@ -66,7 +66,24 @@ BACKSTOP_GRACE_S = 5.0
 
 
 class BatchStopped(Exception):
-    """The pool gave up on a batch (see the module docstring); the message is one line."""
+    """The pool gave up on a batch (see the module docstring); the message is one line. The
+    three reasons, worded once for the pool and the in-process caller alike:"""
+
+    @classmethod
+    def first_timeout(cls, sample: int, timeout_s: float) -> "BatchStopped":
+        return cls(f"sample {sample} took longer than timeout_s={timeout_s:g} s")
+
+    @classmethod
+    def too_many_timeouts(cls, num_timeouts: int, num_items: int, timeout_s: float,
+                          max_timeout_frac: float) -> "BatchStopped":
+        return cls(f"{num_timeouts} of the batch's {num_items} calls took longer than "
+                   f"timeout_s={timeout_s:g} s, more than max_timeout_frac={max_timeout_frac:g}")
+
+    @classmethod
+    def batch_too_long(cls, num_items: int, batch_timeout_s: float, finished: int,
+                       num_timeouts: int) -> "BatchStopped":
+        return cls(f"the batch's {num_items} calls took longer than batch_timeout_s={batch_timeout_s:g} s "
+                   f"({finished} finished, {num_timeouts} of them timed out)")
 
 
 # A call past its time limit ends its process with this signal (its default action), from a
@@ -262,10 +279,7 @@ class ScorePool:
                                return_when=FIRST_COMPLETED)
                 if not done:
                     finished = sum(o is not None for o in outcomes)
-                    raise BatchStopped(
-                        f"the batch's {len(items)} calls took longer than batch_timeout_s={batch_timeout_s:g} s "
-                        f"({finished} finished, {num_timeouts} of them timed out)"
-                    )
+                    raise BatchStopped.batch_too_long(len(items), batch_timeout_s, finished, num_timeouts)
                 for future in done:
                     indices, progress = running.pop(future)
                     try:
@@ -294,12 +308,9 @@ class ScorePool:
                         num_timeouts += 1
                         sample = indices[at] if at is not None else indices[0]
                         if first_timeout_stops:
-                            raise BatchStopped(f"sample {sample} took longer than timeout_s={timeout_s:g} s")
+                            raise BatchStopped.first_timeout(sample, timeout_s)
                         if max_timeout_frac is not None and num_timeouts > max_timeout_frac * len(items):
-                            raise BatchStopped(
-                                f"{num_timeouts} of the batch's {len(items)} calls took longer than "
-                                f"timeout_s={timeout_s:g} s, more than max_timeout_frac={max_timeout_frac:g}"
-                            )
+                            raise BatchStopped.too_many_timeouts(num_timeouts, len(items), timeout_s, max_timeout_frac)
         finally:
             for future in running:
                 future.cancel()  # a running one: pebble ends its process and starts another
