@@ -148,7 +148,9 @@ def graph_from_args(args):
 
     overrides = [*args.set, f"trainer.iterations={args.iterations}", "trainer.val_interval=0",
                  "trainer.progress=false", "trainer.save_final=false"]
-    return load_graph(args.graph, overrides), " ".join([str(args.graph), *args.set])
+    graph_path = Path(args.graph).resolve()
+    label = str(graph_path.relative_to(ROOT)) if graph_path.is_relative_to(ROOT) else graph_path.name
+    return load_graph(args.graph, overrides), " ".join([label, *args.set])
 
 
 def compare(graph, iterations: int, warmup: int, run_dir: Path) -> dict:

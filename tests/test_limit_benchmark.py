@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -57,3 +58,11 @@ def test_limit_on_one_rank_generates_what_hybridflow_generates(tmp_path):
     for side in ("hybridflow", "limit"):
         assert all(result["mean_s"][side][stage] > 0 for stage in result["stages"])
     assert result["threads"] == 2 and result["ratio_hybridflow_over_limit"] > 0
+
+
+def test_the_workload_label_names_the_graph_without_this_machines_paths():
+    """The label goes into the result JSON, which is committed: no absolute path in it."""
+    limit = _limit()
+    args = SimpleNamespace(peers=None, graph=ROOT / "graphs" / "grpo.yaml", set=["data.seed=1"], iterations=3)
+    _, label = limit.graph_from_args(args)
+    assert label == "graphs/grpo.yaml data.seed=1"
