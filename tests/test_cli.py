@@ -299,3 +299,24 @@ def test_options_may_come_between_the_graph_and_its_overrides(capsys):
     with pytest.raises(SystemExit):  # an unknown option is still argparse's one line
         main(["graph", "graphs/grpo.yaml", "--bogus", "trainer.iterations=3"])
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_eval_with_samples_0_scores_the_greedy_responses_only(tmp_path, capsys, monkeypatch):
+    """`--samples 0`: the greedy pass alone (the same greedy responses as with samples), no
+    pass@k; with `--pairs-out`, which ranks samples, it is one line and exit 2."""
+    monkeypatch.chdir(ROOT)
+    results = {}
+    for name, extra in (("greedy", ["--samples", "0"]), ("sampled", ["--k", "2"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["eval", "graphs/grpo.yaml", "--limit", "6", "--engine", "hf", *extra, "--json", str(out)]) == 0
+        results[name] = json.loads(out.read_text())
+    greedy, sampled = results["greedy"], results["sampled"]
+    assert [p["greedy"] for p in greedy["prompts"]] == [p["greedy"] for p in sampled["prompts"]]
+    assert greedy["summary"]["greedy_accuracy"] == sampled["summary"]["greedy_accuracy"]
+    assert greedy["summary"]["samples_per_prompt"] == 0 and "pass@1" not in greedy["summary"]
+    assert {"pass@1", "pass@2"} <= set(sampled["summary"])
+    assert "eval: 6 prompts, greedy only (hf)" in capsys.readouterr().err
+    code = main(["eval", "graphs/grpo.yaml", "--samples", "0", "--pairs-out", str(tmp_path / "p.jsonl")])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: graphs/grpo.yaml: --samples: --pairs-out ranks sampled responses: give --samples >= 2")

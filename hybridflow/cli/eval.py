@@ -12,7 +12,8 @@ graph with ``train.lora``) is merged into the graph's actor source first.
 The prompts are the validation split of the graph's data (the built-in task's test prompts, or
 every row of ``data.val_files``; ``data.val_files=FILE`` as an override scores any file), in
 the graph's chat rendering. Each prompt gets one greedy response and ``--samples`` sampled ones
-(the actor's rollout temperature, top-p, top-k); every response is scored by the graph's reward
+(the actor's rollout temperature, top-p, top-k; ``--samples 0``: the greedy response only,
+half the generation, no pass@k); every response is scored by the graph's reward
 (the model of its first score node, with that node's options), in the same process, without
 Ray. A response is correct when its score is at least ``--threshold`` (default 1.0). The score
 node's ending rule (``options.unfinished``) is a training signal and is not applied: a
@@ -58,7 +59,8 @@ def add_parser(sub) -> None:
     ev.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.val_files=test.parquet")
     ev.add_argument("--actor", help="saved actor directory or run directory (default: the graph's actor source)")
     ev.add_argument("--k", type=int, default=8, help="pass@k's k (default 8)")
-    ev.add_argument("--samples", type=int, help="sampled responses per prompt, >= k (default k)")
+    ev.add_argument("--samples", type=int, help="sampled responses per prompt, >= k (default k); "
+                    "0: greedy responses only, no pass@k")
     ev.add_argument("--limit", type=int, help="score only the first N prompts")
     ev.add_argument("--threshold", type=float, default=THRESHOLD, help="score that counts as correct")
     ev.add_argument("--engine", choices=engine_names("rollout"), help="rollout engine (default: the actor's)")
@@ -101,9 +103,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from hybridflow.graph.dag import load_graph
     from hybridflow.spec.loading import SpecError
 
-    samples = args.samples or args.k
-    if args.k < 1 or samples < args.k:
-        raise SpecError(args.graph, "--k", f"expected 1 <= k <= samples, got k={args.k}, samples={samples}")
+    samples = args.k if args.samples is None else args.samples
+    if samples == 0 and args.pairs_out:
+        raise SpecError(args.graph, "--samples", "--pairs-out ranks sampled responses: give --samples >= 2")
+    if args.k < 1 or 0 < samples < args.k or samples < 0:
+        raise SpecError(args.graph, "--k", f"expected 1 <= k <= samples (or samples 0), got k={args.k}, "
+                        f"samples={samples}")
     if load_graph(args.graph, args.overrides).reads_pairs:
         results = evaluate_pairs(args.graph, args.overrides, args.actor, args.limit)
     else:
@@ -192,20 +197,21 @@ def evaluate(
     from hybridflow.engines.base import SamplingParams
 
     max_new = spec.data.max_response_length
-    print(f"eval: {len(rows)} prompts, greedy, then {samples} samples each at temperature "
-          f"{temperature:g} ({engine})", file=sys.stderr)
+    then = f", then {samples} samples each at temperature {temperature:g}" if samples else " only"
+    print(f"eval: {len(rows)} prompts, greedy{then} ({engine})", file=sys.stderr)
     greedy = generate(prompts, SamplingParams(n=1, max_new_tokens=max_new, greedy=True))
     sampled = generate(prompts, SamplingParams(
         n=samples, temperature=temperature,
         top_p=rollout.top_p if rollout else 1.0, top_k=rollout.top_k if rollout else 0,
         max_new_tokens=max_new,
-    ))
+    )) if samples else None
 
     scorer = RewardSources(reward_spec.source)
     options = scorer_options(score_node.spec.options)
     try:
         greedy_scores, greedy_texts = _score(scorer, greedy, tokenizer, options, row_fields)
-        sample_scores, sample_texts = _score(scorer, sampled, tokenizer, options, row_fields)
+        if sampled is not None:
+            sample_scores, sample_texts = _score(scorer, sampled, tokenizer, options, row_fields)
     finally:
         scorer.close()
 
@@ -213,18 +219,14 @@ def evaluate(
 
     num = len(rows)
     correct = (greedy_scores >= threshold).tolist()
-    sample_correct = (sample_scores >= threshold).view(num, samples).sum(-1).tolist()
+    sample_correct = (sample_scores >= threshold).view(num, samples).sum(-1).tolist() if samples else [None] * num
     lengths = greedy[K.RESPONSE_MASK].sum(-1).float()
-    summary = {
-        "prompts": num,
-        "greedy_accuracy": sum(correct) / num,
-        "greedy_mean_score": float(greedy_scores.mean()),
-        "pass@1": sum(pass_at_k(samples, c, 1) for c in sample_correct) / num,
-        f"pass@{k}": sum(pass_at_k(samples, c, k) for c in sample_correct) / num,
-        "samples_per_prompt": samples,
-        "response_length": float(lengths.mean()),
-        "truncated_frac": float(greedy[K.TRUNCATED].float().mean()),
-    }
+    summary = {"prompts": num, "greedy_accuracy": sum(correct) / num, "greedy_mean_score": float(greedy_scores.mean())}
+    if samples:
+        summary["pass@1"] = sum(pass_at_k(samples, c, 1) for c in sample_correct) / num
+        summary[f"pass@{k}"] = sum(pass_at_k(samples, c, k) for c in sample_correct) / num
+    summary.update(samples_per_prompt=samples, response_length=float(lengths.mean()),
+                   truncated_frac=float(greedy[K.TRUNCATED].float().mean()))
     if pairs_out is not None:
         summary["pairs_written"] = _write_pairs(pairs_out, rows, sample_texts, sample_scores.tolist(), samples)
     per_prompt = [
