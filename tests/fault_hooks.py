@@ -117,8 +117,10 @@ class FaultyWorker(ModelWorker):
         """With partial rollouts, every decoding step of ``model``'s generations takes
         ``seconds`` longer, so that updates finish while a generation is in flight.
         ``hold_for_weights``: from the second generation on, its second decoding step also
-        waits (up to a minute) until new weights are staged, so a load mid-generation does
-        not depend on how fast the update ran."""
+        waits (up to a minute) until new weights are staged, unless the generation has taken
+        new weights already, so a load mid-generation does not depend on how fast the update
+        ran. (Weights staged only after this generation ended never come while it waits: the
+        next update trains on its samples.)"""
         staged = self.ctx.staged
         updates = staged.updates
         generations = {"count": 0}
@@ -128,16 +130,18 @@ class FaultyWorker(ModelWorker):
             if name != model:
                 return weight_updates
             generations["count"] += 1
-            poll, polls = weight_updates.poll, {"count": 0}
+            poll, polls, taken = weight_updates.poll, {"count": 0}, {"any": False}
 
             def slow_poll():
                 time.sleep(seconds)
                 polls["count"] += 1
-                if hold_for_weights and generations["count"] >= 2 and polls["count"] == 2:
+                if hold_for_weights and generations["count"] >= 2 and polls["count"] == 2 and not taken["any"]:
                     deadline = time.monotonic() + 60.0
                     while time.monotonic() < deadline and model not in staged._staged:
                         time.sleep(0.02)
-                return poll()
+                weights = poll()
+                taken["any"] = taken["any"] or weights is not None
+                return weights
 
             weight_updates.poll = slow_poll
             return weight_updates
