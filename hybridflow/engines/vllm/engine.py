@@ -626,6 +626,9 @@ class VLLMRolloutEngine(RolloutEngine):
             self.asleep = False
 
 
+EVAL_SEQUENCES = 256  # sequences decoded together by a one-shot engine (vLLM's CPU max_num_seqs)
+
+
 def standalone(build_module, tokenizer, *, source_dir, max_model_len: int, seed: int, temperature: float):
     """``generate(prompts, params)`` on an engine in this process (``hybridflow eval``), with
     vLLM's progress bar: started from ``source_dir()``, or, when that is None, from
@@ -635,9 +638,15 @@ def standalone(build_module, tokenizer, *, source_dir, max_model_len: int, seed:
         scratch = tempfile.mkdtemp(prefix="hybridflow-eval-")
         model_dir = save_for_vllm(build_module(), tokenizer, scratch)
     try:
+        from transformers import AutoConfig
+
+        # A KV cache for a full decoding step (vLLM's CPU default of 256 sequences), not a fixed
+        # 256 MiB: on SmolLM2 (46 KB a token) that held ~45 sequences of 128 tokens at a time.
+        kv_bytes = kv_cache_bytes_for(AutoConfig.from_pretrained(model_dir).get_text_config(),
+                                      EVAL_SEQUENCES, max_model_len, floor=256 << 20)
         rollout = VLLMRolloutEngine(
             model_dir, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-            max_model_len=max_model_len, seed=seed, kv_cache_bytes=256 << 20, temperature=temperature,
+            max_model_len=max_model_len, seed=seed, kv_cache_bytes=kv_bytes, temperature=temperature,
             progress=True,
         )
     finally:
