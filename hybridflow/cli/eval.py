@@ -14,8 +14,8 @@ every row of ``data.val_files``; ``data.val_files=FILE`` as an override scores a
 the graph's chat rendering. Each prompt gets one greedy response and ``--samples`` sampled ones
 (the actor's rollout temperature, top-p, top-k; ``--samples 0``: the greedy response only,
 half the generation, no pass@k); every response is scored by the graph's reward
-(the model of its first score node, with that node's options), in the same process, without
-Ray. A response is correct when its score is at least ``--threshold`` (default 1.0). The score
+(the model of its first score node with a rule or ``compute_score`` source, with that node's
+options: on a learned-reward graph, the rule it logs), in the same process, without Ray. A response is correct when its score is at least ``--threshold`` (default 1.0). The score
 node's ending rule (``options.unfinished``) is a training signal and is not applied: a
 truncated response whose answer is right counts as right; ``truncated_frac`` reports them.
 
@@ -156,13 +156,16 @@ def evaluate(
     spec = graph.spec
     actor_name = graph.actor
     actor_spec = spec.models[actor_name]
-    score_node = next((n for n in graph.nodes if graph.op(n).scores), None)
-    if score_node is None:
+    score_nodes = [n for n in graph.nodes if graph.op(n).scores]
+    if not score_nodes:
         raise SpecError(graph.file, "nodes", "eval needs a score node to grade responses")
+    # Graded by a rule: on a learned-reward graph, the rule it logs beside the learned model.
+    score_node = next((n for n in score_nodes if spec.models[n.model].source.is_scorer), None)
+    if score_node is None:
+        raise SpecError(graph.file, f"models.{score_nodes[0].model}.source",
+                        "eval grades with a rule or compute_score reward; the graph has none")
     reward_spec = spec.models[score_node.model]
-    if not reward_spec.source.is_scorer:
-        raise SpecError(graph.file, f"models.{score_node.model}.source", "eval grades with a rule or compute_score reward")
-    check_model_paths(graph)
+    check_model_paths(graph, [actor_name, score_node.model])  # not a learned reward it does not use
     tokenizer = run_tokenizer(graph)
     try:
         _, rows = load_data(spec.data, graph.file, all_val_files=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Collection
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -83,12 +84,18 @@ def resolved_tokenizer_dir(graph: Graph, name: str) -> Path:
         raise SpecError(graph.file, _source_field(name, source), str(exc)) from None
 
 
+def tokenizer_owner(graph: Graph) -> str:
+    """The model whose tokenizer is the run's: the actor, or in a graph without one (it trains
+    scalar models on pairs) its first trained model."""
+    return graph.actor or next(n.model for n in graph.nodes if graph.op(n).trains)
+
+
 def run_tokenizer(graph: Graph):
     """The run's tokenizer: the actor's own (pretrained source), else the built-in task's. A
     graph without an actor (it trains scalar models on pairs) takes its first trained model's."""
     from hybridflow.data.tasks import TASKS
 
-    name = graph.actor or next(n.model for n in graph.nodes if graph.op(n).trains)
+    name = tokenizer_owner(graph)
     if graph.spec.models[name].source.is_pretrained:
         from transformers import AutoTokenizer
 
@@ -104,11 +111,11 @@ def run_tokenizer(graph: Graph):
     return TASKS[task].tokenizer()
 
 
-def check_model_paths(graph: Graph) -> None:
-    """Every pretrained source names a directory holding a readable HF ``config.json`` (a GGUF
-    file is converted to one first)."""
+def check_model_paths(graph: Graph, names: Collection[str] | None = None) -> None:
+    """Every pretrained source (of ``names``' models, default all) names a directory holding a
+    readable HF ``config.json`` (a GGUF file is converted to one first)."""
     for name, model in graph.spec.models.items():
-        if not model.source.is_pretrained:
+        if not model.source.is_pretrained or (names is not None and name not in names):
             continue
         field = _source_field(name, model.source)
         path = resolved_model_dir(graph, name)
@@ -161,7 +168,7 @@ def check_inputs(graph: Graph, tokenizer) -> None:
                 load_rule(rule)
             except ValueError as exc:
                 raise SpecError(graph.file, field, str(exc)) from None
-        if source.is_pretrained and model.role in LM_ROLES and name != graph.actor:
+        if source.is_pretrained and model.role in LM_ROLES and name != tokenizer_owner(graph):
             _check_tokenizer_fits(graph, name, tokenizer)
 
 
@@ -177,7 +184,7 @@ def _check_tokenizer_fits(graph: Graph, name: str, tokenizer) -> None:
     the one-line refusal names both models."""
     field = _source_field(name, graph.spec.models[name].source)
     path, tok_path = resolved_model_dir(graph, name), resolved_tokenizer_dir(graph, name)
-    actor = _describe(graph, graph.actor)
+    actor = _describe(graph, tokenizer_owner(graph))
     vocab_size = json.loads((path / "config.json").read_text()).get("vocab_size")
     if isinstance(vocab_size, int) and vocab_size < len(tokenizer):
         raise SpecError(
