@@ -126,12 +126,15 @@ def test_reward_model_graph_learns_saves_and_evals(pair_files, ray_session, tmp_
                  "data.num_val=160"]  # every held-out pair: 40 prompts x 4 pairs
     graph = load_graph("graphs/reward_model.yaml", overrides)
     trainer = Trainer(graph, run_dir=str(tmp_path / "run"), verbose=False)
-    trainer.fit()
+    summary = trainer.fit()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all("rm/accuracy" in r and "rm/margin_mean" in r and "rm/chosen_mean" in r and "rm/rejected_mean" in r
                for r in rows)
     vals = [r["val/rm/accuracy"] for r in rows if "val/rm/accuracy" in r]
     assert len(vals) == 2
+    # the run summary speaks of pairwise accuracy, not of a reward the graph has none of
+    assert "reward_last10" not in summary and summary["val_rm_accuracy_final"] == vals[-1]
+    assert summary["rm_accuracy_last10"] == pytest.approx(sum(r["rm/accuracy"] for r in rows[-10:]) / 10)
     # 100 steps of 32 pairs: well above chance on the held-out pairs (3600 steps reach 0.9)
     assert vals[-1] >= 0.7, vals
     saved = tmp_path / "run" / "reward"
@@ -254,3 +257,25 @@ def test_an_odd_micro_batch_of_a_pair_model_is_refused(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     assert main(["validate", "graphs/reward_model.yaml", "models.reward.train.micro_batch_size=3"]) == 2
     assert "models.reward.train.micro_batch_size: node 'train_reward' trains on pairs" in capsys.readouterr().err
+
+
+def test_eval_of_a_learned_reward_graph_grades_with_the_rule_it_logs(tmp_path, monkeypatch, capsys):
+    """grpo_learned_reward.yaml's first score node is the learned model: eval grades with the
+    copy rule scored beside it instead, and needs no trained reward model to exist."""
+    from hybridflow.data.tasks import copy_reward
+
+    monkeypatch.chdir(tmp_path)  # no runs/rm here: the reward model's run is not read
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(ROOT / "graphs" / "grpo_learned_reward.yaml"), "--limit", "4", "--k", "2",
+                 "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["summary"]["prompts"] == 4
+    for row in results["prompts"]:
+        assert row["greedy_score"] == pytest.approx(copy_reward("", row["greedy"], row["ground_truth"]))
+
+
+def test_graph_command_counts_a_pair_graphs_batch_in_pairs(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    assert main(["graph", "graphs/reward_model.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "batch: 32 pairs/iteration (data.prompts_per_iteration)" in out and "samples/prompt" not in out

@@ -517,16 +517,18 @@ class Trainer:
         self.groups, self.pools = {}, []
 
     def summary(self, seconds: float) -> dict:
-        rewards = [m["reward/mean"] for m in self.history if "reward/mean" in m]
-        window = min(10, len(rewards))
-        val = [m["val/reward/mean"] for m in self.history if "val/reward/mean" in m]
+        # A graph training a scalar model on pairs has no rewards: its pairwise accuracy instead.
+        key, name = ("rm/accuracy", "rm_accuracy") if self.graph.reads_pairs else ("reward/mean", "reward")
+        values = [m[key] for m in self.history if key in m]
+        window = min(10, len(values))
+        val = [m[f"val/{key}"] for m in self.history if f"val/{key}" in m]
         return {
             "run_dir": str(self.run_dir),
             # the last iteration's number: a row lost to a cut metrics line is not a lost iteration
             "iterations": self.history[-1].get("iteration", len(self.history)) if self.history else 0,
-            "reward_first10": sum(rewards[:window]) / max(window, 1),
-            "reward_last10": sum(rewards[-window:]) / max(window, 1),
-            "val_reward_final": val[-1] if val else None,
+            f"{name}_first10": sum(values[:window]) / max(window, 1),
+            f"{name}_last10": sum(values[-window:]) / max(window, 1),
+            f"val_{name}_final": val[-1] if val else None,
             "restarts": self.recovery.num_restarts,
             "seconds": round(seconds, 1),
         }

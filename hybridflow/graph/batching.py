@@ -50,6 +50,7 @@ class BatchPlan:
     prompts_per_iteration: int
     samples_per_prompt: int
     updates: tuple[UpdatePlan, ...]
+    pairs: bool = False  # the data are preference pairs (a graph training scalar models)
 
     @property
     def samples_per_iteration(self) -> int:
@@ -58,6 +59,8 @@ class BatchPlan:
     def describe(self) -> str:
         """The plan in a few lines, printed at the start of a run."""
         lines = [
+            f"batch: {self.prompts_per_iteration} pairs/iteration (data.prompts_per_iteration), each a "
+            "chosen and a rejected response" if self.pairs else
             f"batch: {self.prompts_per_iteration} prompts/iteration (data.prompts_per_iteration) x "
             f"{self.samples_per_prompt} samples/prompt (rollout.n) = {self.samples_per_iteration} samples/iteration"
         ]
@@ -155,4 +158,5 @@ def batch_plan(spec: GraphSpec, layouts: dict[str, ParallelLayout], file: str) -
                 micro_batch_tokens=train.token_budget,
             )
         )
-    return BatchPlan(prompts, n, tuple(updates))
+    pairs = any(key == "pairs" for node in spec.nodes for key in node.inputs)
+    return BatchPlan(prompts, n, tuple(updates), pairs)
