@@ -50,6 +50,10 @@ EXEMPT = {
     r"--address auto\b": "needs a running Ray cluster; `ray.init(address=...)` is Ray's own code path",
     r"^tensorboard\b": "starts a web server; the event files it reads are checked in tests/test_loggers.py",
     r"grpo_judge\.yaml": "tests/test_judge.py runs grpo_judge.yaml for 3 iterations, shrunk, on Ray",
+    r"reward_model_smollm2\.yaml|grpo_smollm2_rm\.yaml|--pairs-out runs/pairs/smollm2": (
+        "tests/test_learned_reward_smollm2.py runs both graphs and the eval, shrunk, on pairs of the "
+        "shape --pairs-out writes; tests/test_reward_model_graph.py runs --pairs-out"
+    ),
     r"grpo_smollm2\.yaml|runs/smollm2\b": "tests/test_smollm2.py runs the SmolLM2 run, both evals and the plot, shrunk",
     r"grpo_smollm2_lora\.yaml|runs/lora\b": "tests/test_lora.py runs the LoRA graph and an eval of its adapters, shrunk",
     r"distill_smollm2\.yaml|runs/smollm2_distill\b": (
@@ -102,6 +106,9 @@ COVERED_BY = {
     "tests/test_megatron_grpo.py": ['"grpo_megatron.yaml"', '"grpo_megatron_tg2.yaml"', ".fit()"],
     "tests/test_loggers.py": ["def test_tensorboard_writes_scalars"],
     "tests/test_smollm2.py": ['main(["eval", GRAPH', 'main(["plot"'],
+    "tests/test_learned_reward_smollm2.py": ['"graphs/reward_model_smollm2.yaml"', '"graphs/grpo_smollm2_rm.yaml"',
+                                             'main(["eval", "graphs/grpo_smollm2_rm.yaml"'],
+    "tests/test_reward_model_graph.py": ['"--pairs-out"', "def test_eval_pairs_out_writes_ranked_pairs_a_pair_graph_reads"],
     "tests/test_lora.py": ['main(["run", "graphs/grpo_smollm2_lora.yaml"', 'main(["eval", "graphs/grpo_smollm2_lora.yaml"'],
     "tests/test_graph.py": ["def test_python_builder_equals_yaml"],
     "tests/test_distill.py": ['"graphs/distill_smollm2.yaml"', "def test_distill_smollm2_runs_two_iterations"],
