@@ -13,11 +13,12 @@ The prompts are the validation split of the graph's data (the built-in task's te
 every row of ``data.val_files``; ``data.val_files=FILE`` as an override scores any file), in
 the graph's chat rendering. Each prompt gets one greedy response and ``--samples`` sampled ones
 (the actor's rollout temperature, top-p, top-k; ``--samples 0``: the greedy response only,
-half the generation, no pass@k); every response is scored by the graph's reward
-(the model of its first score node with a rule or ``compute_score`` source, with that node's
-options: on a learned-reward graph, the rule it logs), in the same process, without Ray. A response is correct when its score is at least ``--threshold`` (default 1.0). The score
-node's ending rule (``options.unfinished``) is a training signal and is not applied: a
-truncated response whose answer is right counts as right; ``truncated_frac`` reports them.
+half the generation, no pass@k); every response is scored by the graph's reward (the model
+of its first score node with a rule or ``compute_score`` source, with that node's options: on a
+learned-reward graph, the rule it logs), in the same process, without Ray. A response is
+correct when its score is at least ``--threshold`` (default 1.0). The score node's ending rule
+(``options.unfinished``) is a training signal and is not applied: a truncated response whose
+answer is right counts as right; ``truncated_frac`` reports them.
 
 - ``greedy_accuracy``: correct greedy responses / prompts;
 - ``pass@k``: the unbiased estimate ``1 - C(n - c, k) / C(n, k)`` averaged over prompts, with
