@@ -21,6 +21,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from hybridflow.graph.ops import OPS
 from hybridflow.spec.graph import GraphSpec, UpdateOptions
 from hybridflow.spec.layout import ParallelLayout
 from hybridflow.spec.loading import SpecError
@@ -158,5 +159,14 @@ def batch_plan(spec: GraphSpec, layouts: dict[str, ParallelLayout], file: str) -
                 micro_batch_tokens=train.token_budget,
             )
         )
-    pairs = any(key == "pairs" for node in spec.nodes for key in node.inputs)
-    return BatchPlan(prompts, n, tuple(updates), pairs)
+    return BatchPlan(prompts, n, tuple(updates), spec_reads_pairs(spec))
+
+
+def spec_reads_pairs(spec: GraphSpec) -> bool:
+    """Whether a node reads preference pairs (its inputs as written, else its op's defaults):
+    the graph trains reward or cost models on pair files."""
+    return any(
+        "pairs" in (node.inputs if node.inputs is not None else OPS[node.op].default_inputs(
+            spec.models[node.model].role if node.model in spec.models else "*"))
+        for node in spec.nodes if node.op in OPS
+    )

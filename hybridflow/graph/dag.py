@@ -14,7 +14,7 @@ from pathlib import Path
 import networkx as nx
 
 from hybridflow.algos.advantages import zero_without_groups
-from hybridflow.graph.batching import batch_plan
+from hybridflow.graph.batching import batch_plan, spec_reads_pairs
 from hybridflow.graph.ops import OPS, SOURCE_WRITES, Op
 from hybridflow.graph.plugins import import_plugins, load_graph_spec, plugin_dir
 from hybridflow.spec.engines import caps_of, engines_with
@@ -567,11 +567,7 @@ LORA_ROLES = ("actor", "reward", "cost")  # a reward or cost model trained on pa
 def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node], nx.DiGraph]:
     """A spec's nodes (keys resolved, in a topological order) and its DAG, validated as far as
     they go without a pool file."""
-    reads_pairs = any(
-        "pairs" in (node.inputs if node.inputs is not None else OPS[node.op].default_inputs(
-            spec.models[node.model].role if node.model in spec.models else "*"))
-        for node in spec.nodes if node.op in OPS
-    )
+    reads_pairs = spec_reads_pairs(spec)
     actors = [n for n, m in spec.models.items() if m.role == "actor"]
     if not actors and not reads_pairs:
         raise SpecError(file, "models", "a graph needs one model with role actor (or a node reading "
