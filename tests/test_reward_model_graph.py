@@ -274,8 +274,17 @@ def test_eval_of_a_learned_reward_graph_grades_with_the_rule_it_logs(tmp_path, m
         assert row["greedy_score"] == pytest.approx(copy_reward("", row["greedy"], row["ground_truth"]))
 
 
-def test_graph_command_counts_a_pair_graphs_batch_in_pairs(monkeypatch, capsys):
+def test_graph_command_counts_a_pair_graphs_batch_in_pairs(tmp_path, monkeypatch, capsys):
+    import yaml
+
     monkeypatch.chdir(ROOT)
     assert main(["graph", "graphs/reward_model.yaml"]) == 0
     out = capsys.readouterr().out
     assert "batch: 32 pairs/iteration (data.prompts_per_iteration)" in out and "samples/prompt" not in out
+    # a node that leaves its inputs to its op's defaults reads pairs too
+    raw = yaml.safe_load((ROOT / "graphs" / "reward_model.yaml").read_text())
+    del raw["nodes"][0]["inputs"]
+    raw["resources"] = str(ROOT / raw["resources"])
+    (tmp_path / "g.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["graph", str(tmp_path / "g.yaml")]) == 0
+    assert "batch: 32 pairs/iteration" in capsys.readouterr().out
