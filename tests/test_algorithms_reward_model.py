@@ -80,11 +80,12 @@ def test_model_reward_scores_equal_direct_transformers_forward(ray_session, tmp_
     expected = []
     for i in range(8):
         mask = rollout[K.RESPONSE_MASK][i].bool()
-        # The text as the tokenizer writes it, special tokens included: a random actor may sample
-        # <pad> or <unk> mid-response, and the reward model scores those tokens too.
-        text = rollout[K.PROMPT_TEXT][i] + tokenizer.decode(rollout[K.RESPONSES][i][mask])
-        ids = tokenizer(text)["input_ids"]
-        assert ids[-int(mask.sum()):] == rollout[K.RESPONSES][i][mask].tolist()
+        # The response as a preference pair holds it (options.read: text): its decoded text, EOS
+        # last where it ended. A random actor may sample <pad> or <unk> mid-response; decoding
+        # drops them, so the reward model does not score them.
+        response = rollout[K.RESPONSES][i][mask]
+        text = rollout[K.PROMPT_TEXT][i] + tokenizer.decode(response, skip_special_tokens=True)
+        ids = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id] * int(response[-1] == tokenizer.eos_token_id)
         with torch.no_grad():
             expected.append(direct(input_ids=torch.tensor([ids])).logits[0, -1, 0].item())
     expected = torch.tensor(expected)

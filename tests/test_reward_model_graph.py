@@ -171,6 +171,20 @@ def test_eval_pairs_out_writes_ranked_pairs_a_pair_graph_reads(tmp_path, monkeyp
     assert len(read_pairs(str(out))) == len(rows)
 
 
+def _rollout(tok, responses):
+    """A rollout batch of the prompt ``ab=`` and these raw response tokens."""
+    from tensordict import TensorDict
+
+    from hybridflow.data import keys as K
+    from hybridflow.data.batch import build_rollout_fields
+
+    prompts = torch.tensor([tok("ab=", add_special_tokens=False)["input_ids"]] * len(responses))
+    fields = build_rollout_fields(prompts, torch.ones_like(prompts), torch.tensor(responses), tok.eos_token_id,
+                                  tok.pad_token_id)
+    return TensorDict({K.PROMPT_IDS: prompts, K.PROMPT_MASK: torch.ones_like(prompts), **fields},
+                      batch_size=[len(responses)])
+
+
 def test_score_node_normalizes_a_learned_score_and_logs_only_without_outputs(monkeypatch):
     from types import SimpleNamespace as NS
 
@@ -183,8 +197,7 @@ def test_score_node_normalizes_a_learned_score_and_logs_only_without_outputs(mon
 
     tok = get_task("copy").tokenizer()
     raw = torch.tensor([1.0, 3.0, 5.0, 7.0])
-    batch = TensorDict({K.RESPONSES: torch.tensor([[3, tok.eos_token_id]] * 4),
-                        K.RESPONSE_MASK: torch.ones(4, 2, dtype=torch.long)}, batch_size=[4])
+    batch = _rollout(tok, [[3, tok.eos_token_id]] * 4)
     engine = NS(forward=lambda b: {"last_values": raw.clone()}, dp_group=None)
     spec = NS(models={"rm": NS(role="reward", source=NS(remote=None))}, data=NS(max_response_length=8))
     moments = RunningMoments()
@@ -220,8 +233,7 @@ def test_score_node_squashes_a_learned_cost_to_a_probability_of_unsafe(monkeypat
     tok = get_task("copy").tokenizer()
     raw = torch.tensor([-3.0, 0.0, 2.0, -1.0])
     # the last response never ends: a cost model's ending rule (auto = keep) leaves it alone
-    batch = TensorDict({K.RESPONSES: torch.tensor([[3, tok.eos_token_id]] * 3 + [[3, 4]]),
-                        K.RESPONSE_MASK: torch.ones(4, 2, dtype=torch.long)}, batch_size=[4])
+    batch = _rollout(tok, [[3, tok.eos_token_id]] * 3 + [[3, 4]])
     engine = NS(forward=lambda b: {"last_values": raw.clone()})
     spec = NS(models={"cm": NS(role="cost", source=NS(remote=None))}, data=NS(max_response_length=8))
     ctx = NS(spec=spec, rules={}, train_engines={"cm": engine}, tokenizer=tok, dp_group=lambda m: None,

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensordict import TensorDict
 from transformers import AutoModelForTokenClassification, AutoTokenizer, Qwen2ForSequenceClassification
 
 from hybridflow.data import keys as K
-from hybridflow.data.preferences import collate_pairs, pair_forward_batch, pair_row
+from hybridflow.data.preferences import collate_pairs, pair_forward_batch, pair_row, responses_as_text_tokens
 from hybridflow.data.tasks import get_task
 from hybridflow.engines.models import build_value_model, tiny_qwen2_config
 from hybridflow.engines.scalar_model import save_scalar_model
@@ -179,3 +180,47 @@ def test_pairwise_training_through_the_engine_then_plain_transformers_agrees(tok
     plain = AutoModelForTokenClassification.from_pretrained(tmp_path / kind)
     assert learned(_plain_scores(plain, batch))
     assert plain.config.id2label == {0: kind}
+
+
+def _rollout(tokenizer, prompt: str, responses: list[list[int]]):
+    from hybridflow.data.batch import build_rollout_fields
+
+    prompt_ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]] * len(responses))
+    width = max(len(r) for r in responses)
+    raw = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in responses])
+    fields = build_rollout_fields(prompt_ids, torch.ones_like(prompt_ids), raw, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return TensorDict({K.PROMPT_IDS: prompt_ids, K.PROMPT_MASK: torch.ones_like(prompt_ids),
+                       K.UID: torch.zeros(len(responses), dtype=torch.int64), **fields}, batch_size=[len(responses)])
+
+
+def test_a_learned_scorer_reads_the_text_so_hidden_special_tokens_do_not_move_the_score(tokenizer):
+    """A policy against a learned reward wrote <unk> tokens (invisible in its text, never in a
+    pair) to reach scores no written answer has; read as text, the hidden tokens are gone and
+    the score is the pair-encoded answer's."""
+    unk, eos, c = tokenizer.unk_token_id, tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("c")
+    batch = _rollout(tokenizer, "abc=", [[unk, unk, c, c, eos], [c, c, eos], [unk, c, c, unk]])
+    read = responses_as_text_tokens(batch, tokenizer)
+    assert read[K.RESPONSES].tolist() == [[c, c, eos], [c, c, eos], [c, c, tokenizer.pad_token_id]]
+    assert read[K.RESPONSE_MASK].tolist() == [[1, 1, 1], [1, 1, 1], [1, 1, 0]]  # no EOS added to a cut one
+    assert torch.equal(read[K.TRUNCATED], batch[K.TRUNCATED])  # other fields kept
+
+    model = _value_model(tokenizer)
+    _, as_tokens = _engine_scores(model, batch)
+    _, as_text = _engine_scores(model, read)
+    pair = _batch_of(tokenizer, [("abc=", "cc", "c")])
+    _, paired = _engine_scores(model, pair)
+    assert as_text[0] == pytest.approx(float(paired[0]), abs=1e-5)  # what the pairs taught it to score
+    assert as_text[0] == pytest.approx(float(as_text[1]), abs=1e-5)
+    assert abs(float(as_tokens[0] - as_tokens[1])) > 1e-3  # read as generated, the unks change it
+
+
+def test_a_multi_turn_batch_is_read_as_its_tokens(tokenizer):
+    c, eos = tokenizer.convert_tokens_to_ids("c"), tokenizer.eos_token_id
+    batch = _rollout(tokenizer, "abc=", [[c, c, c, eos]])
+    batch[K.RESPONSE_MASK] = torch.tensor([[1, 0, 1, 1]])  # the second token an observation
+    assert responses_as_text_tokens(batch, tokenizer) is batch
+
+
+def _batch_of(tokenizer, pairs):
+    rows = [pair_row({"prompt": p, "chosen": ch, "rejected": r}, f"pair {i}", "test") for i, (p, ch, r) in enumerate(pairs)]
+    return pair_forward_batch(collate_pairs(rows, tokenizer, max_prompt_length=8, max_response_length=8))

@@ -394,6 +394,35 @@ def pair_forward_batch(pairs: TensorDict) -> TensorDict:
     )
 
 
+def responses_as_text_tokens(batch: TensorDict, tokenizer: PreTrainedTokenizerBase) -> TensorDict:
+    """A rollout batch whose responses are re-encoded as a pair's are: each response's decoded
+    text (special tokens dropped, as decoding drops them) encoded again, then EOS where the
+    response ended with it. A scalar model trained on pairs reads this, so the tokens a policy
+    writes that its text does not show (a char tokenizer's ``<unk>`` or ``<pad>`` in the middle
+    of an answer) cannot move its score: the model never saw one, and a policy finds what an
+    unseen token scores. ``responses``, ``response_mask`` and the sequence fields are replaced,
+    every other field kept. A multi-turn batch (observation tokens attended to but outside
+    ``response_mask``) is returned as it is: its text alone is not what the model must read.
+    """
+    prompt_len = batch[K.PROMPT_IDS].shape[1]
+    responses, mask = batch[K.RESPONSES], batch[K.RESPONSE_MASK]
+    if not torch.equal(batch[K.ATTENTION_MASK][:, prompt_len:].to(mask.dtype), mask):
+        return batch
+    eos_id = tokenizer.eos_token_id
+    last = mask.sum(-1).clamp(min=1) - 1
+    ended = responses.gather(1, last[:, None])[:, 0] == eos_id
+    texts = tokenizer.batch_decode(responses * mask, skip_special_tokens=True)
+    seqs = [
+        [*tokenizer(text, add_special_tokens=False)["input_ids"], *([eos_id] if end else [])] or [eos_id]
+        for text, end in zip(texts, ended.tolist())
+    ]
+    new_ids, new_mask = _right_pad(seqs, max(len(s) for s in seqs), _pad_id(tokenizer))
+    out = batch.clone(recurse=False)
+    out[K.RESPONSES], out[K.RESPONSE_MASK] = new_ids, new_mask
+    out.update(sequence_fields(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], new_ids, new_mask))
+    return out
+
+
 def split_pair_scores(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(chosen (B,), rejected (B,))`` of the (2B,) scores of a ``pair_forward_batch``."""
     assert scores.shape[0] % 2 == 0, "scores of a pair forward batch come in chosen/rejected rows"

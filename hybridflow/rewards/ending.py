@@ -34,7 +34,7 @@ ENDING_FIELDS = frozenset({"unfinished", "unfinished_score"})  # ScoreOptions fi
 
 # ScoreOptions fields checked before the run starts (controller/preflight.py), not by the scorer
 PREFLIGHT_FIELDS = frozenset({"ground_truth"})
-NODE_FIELDS = frozenset({"normalize", "squash", "log_prefix"})  # the score node applies them, not the scorer
+NODE_FIELDS = frozenset({"normalize", "squash", "read", "log_prefix"})  # the score node applies them, not the scorer
 
 
 def scorer_options(options: ScoreOptions) -> dict:

@@ -483,6 +483,14 @@ class ScoreOptions(EndingOptions):
         "responses with a budget, as a 0/1 rule cost does. The raw mean is logged as "
         "cost/raw_mean (reward/...). null = scores as given. Not with normalize.",
     )
+    read: Literal["text", "tokens"] = Field(
+        "text",
+        description="What a learned reward or cost model reads: 'text' (default) re-encodes each "
+        "response's decoded text, EOS last where it ended, as preference pairs are encoded, so "
+        "special tokens the policy wrote that its text does not show (an unk, a pad) cannot "
+        "move the score; 'tokens' reads the generated tokens as they are. Rules always read the "
+        "text. Multi-turn responses are read as tokens.",
+    )
     log_prefix: str | None = Field(
         None,
         description="A score node with no outputs only logs (a rule scored beside a learned "

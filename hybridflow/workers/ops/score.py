@@ -9,6 +9,7 @@ from tensordict import TensorDict
 from hybridflow.algos.preference import squash_scores
 from hybridflow.data import keys as K
 from hybridflow.data.batch import place_sequence_reward
+from hybridflow.data.preferences import responses_as_text_tokens
 from hybridflow.graph.dag import Node
 from hybridflow.rewards.ending import apply_ending_rule, scorer_options
 from hybridflow.rewards.overlong import overlong_penalty
@@ -51,7 +52,8 @@ def score(ctx: WorkerContext, batch: TensorDict, node: Node) -> tuple[TensorDict
         if spec.models[model].source.remote is not None:
             sums[f"{prefix}/num_retries"] = float(scored.num_retries)
     else:
-        scores = ctx.train_engines[model].forward(batch)["last_values"]
+        read = responses_as_text_tokens(batch, ctx.tokenizer) if opts.read == "text" else batch
+        scores = ctx.train_engines[model].forward(read)["last_values"]
         moments = ctx.extra_state.get(f"score_moments/{node.name}")
         if moments is not None:  # options.normalize
             metrics[f"{prefix}/raw_mean"] = float(scores.mean())
