@@ -189,11 +189,9 @@ def test_score_node_normalizes_a_learned_score_and_logs_only_without_outputs(mon
     from types import SimpleNamespace as NS
 
     from hybridflow.algos.running_moments import RunningMoments
-    from hybridflow.data import keys as K
     from hybridflow.data.tasks import get_task
     from hybridflow.spec.graph import ScoreOptions
     from hybridflow.workers.ops.score import score
-    from tensordict import TensorDict
 
     tok = get_task("copy").tokenizer()
     raw = torch.tensor([1.0, 3.0, 5.0, 7.0])
@@ -222,11 +220,9 @@ def test_score_node_normalizes_a_learned_score_and_logs_only_without_outputs(mon
 def test_score_node_squashes_a_learned_cost_to_a_probability_of_unsafe(monkeypatch):
     from types import SimpleNamespace as NS
 
-    from hybridflow.data import keys as K
     from hybridflow.data.tasks import get_task
     from hybridflow.spec.graph import ScoreOptions
     from hybridflow.workers.ops.score import score
-    from tensordict import TensorDict
 
     import hybridflow.workers.ops.score as score_module
 
