@@ -329,3 +329,14 @@ def test_overlong_penalty_rises_over_the_buffer():
     assert_close(overlong_penalty(lengths, 8, 4, 0.5), t([0.0, 0.0, 0.125, 0.25, 0.5], torch.float32))
     with pytest.raises(ValueError, match="overlong_buffer"):
         overlong_penalty(lengths, 8, 9, 1.0)
+
+
+def test_an_overlong_buffer_longer_than_the_responses_is_one_line_before_any_worker(monkeypatch, capsys):
+    from hybridflow.cli.main import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["validate", "graphs/grpo_smollm2_rm.yaml", "data.max_response_length=8",
+                 "nodes.reward.options.overlong_buffer=9"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: graphs/grpo_smollm2_rm.yaml: nodes[1].options.overlong_buffer: 9 tokens is longer than "
+                   "the responses (data.max_response_length = 8); the buffer is their last tokens\n")

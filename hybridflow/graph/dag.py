@@ -585,6 +585,7 @@ def derive_dag(spec: GraphSpec, file: str = "<python graph>") -> tuple[list[Node
     nodes = _resolve_nodes(spec, file)
     _check_rollout_correction(nodes, file)
     _check_learned_score_options(spec, nodes, file)
+    _check_overlong_buffer(spec, nodes, file)
     _check_judges(spec, nodes, file)
     _check_record(spec, nodes, file)
     if not spec.trainer.async_.synchronous and any(OPS[n.op].refills for n in nodes):
@@ -657,6 +658,19 @@ def _check_learned_score_options(spec: GraphSpec, nodes: list[Node], file: str) 
                 f"score node {node.name!r} scores with a rule or remote scorer (model "
                 f"{node.model!r}), whose scores have a scale of their own; normalize is for a "
                 "learned reward or cost model (remove it)",
+            )
+
+
+def _check_overlong_buffer(spec: GraphSpec, nodes: list[Node], file: str) -> None:
+    """DAPO's overlong buffer is the last ``overlong_buffer`` tokens of ``data.max_response_length``:
+    a longer one would fail at the first score, after the workers started."""
+    for i, node in enumerate(nodes):
+        buffer = getattr(node.spec.options, "overlong_buffer", None)
+        if buffer is not None and buffer > spec.data.max_response_length:
+            raise SpecError(
+                file, f"nodes[{i}].options.overlong_buffer",
+                f"{buffer} tokens is longer than the responses (data.max_response_length = "
+                f"{spec.data.max_response_length}); the buffer is their last tokens",
             )
 
 
