@@ -54,6 +54,10 @@ EXEMPT = {
         "tests/test_learned_reward_smollm2.py runs both graphs and the eval, shrunk, on pairs of the "
         "shape --pairs-out writes; tests/test_reward_model_graph.py runs --pairs-out"
     ),
+    r"--run-dir runs/(rm|grpo-rm|cm|safe-learned)$|--actor runs/(rm|cm)$": (
+        "tests/test_reward_model_graph.py runs the learned-rewards page's tiny commands in order, with "
+        "their paths, shrunk, on one Ray instead of one per command"
+    ),
     r"grpo_smollm2\.yaml|runs/smollm2\b": "tests/test_smollm2.py runs the SmolLM2 run, both evals and the plot, shrunk",
     r"grpo_smollm2_lora\.yaml|runs/lora\b": "tests/test_lora.py runs the LoRA graph and an eval of its adapters, shrunk",
     r"distill_smollm2\.yaml|runs/smollm2_distill\b": (
@@ -108,7 +112,14 @@ COVERED_BY = {
     "tests/test_smollm2.py": ['main(["eval", GRAPH', 'main(["plot"'],
     "tests/test_learned_reward_smollm2.py": ['"graphs/reward_model_smollm2.yaml"', '"graphs/grpo_smollm2_rm.yaml"',
                                              'main(["eval", "graphs/grpo_smollm2_rm.yaml"'],
-    "tests/test_reward_model_graph.py": ['"--pairs-out"', "def test_eval_pairs_out_writes_ranked_pairs_a_pair_graph_reads"],
+    "tests/test_reward_model_graph.py": ['"--pairs-out"', "def test_eval_pairs_out_writes_ranked_pairs_a_pair_graph_reads",
+                                         "def test_the_tiny_learned_reward_commands_in_order",
+                                         '"graphs/reward_model.yaml", "--run-dir", "runs/rm"',
+                                         '"graphs/reward_model.yaml", "--actor", "runs/rm"',
+                                         '"graphs/grpo_learned_reward.yaml", "--run-dir", "runs/grpo-rm"',
+                                         '"graphs/cost_model.yaml", "--run-dir", "runs/cm"',
+                                         '"graphs/cost_model.yaml", "--actor", "runs/cm"',
+                                         '"graphs/safe_rlhf_learned.yaml", "--run-dir", "runs/safe-learned"'],
     "tests/test_lora.py": ['main(["run", "graphs/grpo_smollm2_lora.yaml"', 'main(["eval", "graphs/grpo_smollm2_lora.yaml"'],
     "tests/test_graph.py": ["def test_python_builder_equals_yaml"],
     "tests/test_distill.py": ['"graphs/distill_smollm2.yaml"', "def test_distill_smollm2_runs_two_iterations"],

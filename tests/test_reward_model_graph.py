@@ -5,6 +5,7 @@ it, LoRA on a value head, and ``hybridflow eval`` on such a graph."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -114,42 +115,67 @@ def test_lora_on_a_value_head_trains_the_head_and_saves_a_plain_model(tmp_path):
         assert torch.allclose(plain(input_ids=ids).logits[0, -1, 0], expected, atol=1e-5)
 
 
-@pytest.mark.slow
-def test_reward_model_graph_learns_saves_and_evals(pair_files, ray_session, tmp_path, monkeypatch, capsys):
-    """A short run of graphs/reward_model.yaml: training and held-out accuracy are logged, the
-    model is saved as a plain HF scalar model, and `hybridflow eval` reads it back."""
-    from hybridflow.controller.trainer import Trainer
-    from hybridflow.graph.dag import load_graph
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
-    monkeypatch.chdir(ROOT)
-    overrides = [*_pair_overrides(pair_files), "trainer.iterations=100", "trainer.val_interval=50",
-                 "data.num_val=160"]  # every held-out pair: 40 prompts x 4 pairs
-    graph = load_graph("graphs/reward_model.yaml", overrides)
-    trainer = Trainer(graph, run_dir=str(tmp_path / "run"), verbose=False)
-    summary = trainer.fit()
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+@pytest.mark.slow
+def test_the_tiny_learned_reward_commands_in_order(ray_session, tmp_path, monkeypatch, capsys):
+    """docs/learned-rewards.md's tiny commands in its order, with its paths, on one Ray: pairs,
+    the reward model (100 steps: it learns, is saved as a plain HF scalar model and `eval` reads
+    it back), GRPO against it, cost pairs, the cost model and its eval, Safe-RLHF against both.
+    The page's own run (tests/test_docs.py) leaves these to this test: each of its commands
+    would start a Ray of its own."""
+    from hybridflow.data.preference_pairs import main as write_pairs
+
+    for name in ("graphs", "resource_pools"):  # the graphs' default paths (runs/rm, runs/cm) resolve here
+        (tmp_path / name).symlink_to(ROOT / name)
+    monkeypatch.chdir(tmp_path)
+    small = ["trainer.iterations=2", "data.prompts_per_iteration=4", "models.actor.rollout.n=4", "data.num_val=4"]
+
+    write_pairs(["--task", "copy", "--num-train", "200", "--num-val", "40",
+                 "--out", "runs/pairs/copy_train.jsonl", "--val-out", "runs/pairs/copy_val.jsonl"])
+    assert main(["run", "graphs/reward_model.yaml", "--run-dir", "runs/rm", "trainer.iterations=100",
+                 "trainer.val_interval=50", "data.num_val=160"]) == 0  # every held-out pair: 40 prompts x 4
+    rows = _metrics(tmp_path / "runs/rm")
     assert all("rm/accuracy" in r and "rm/margin_mean" in r and "rm/chosen_mean" in r and "rm/rejected_mean" in r
                for r in rows)
     vals = [r["val/rm/accuracy"] for r in rows if "val/rm/accuracy" in r]
     assert len(vals) == 2
     # the run summary speaks of pairwise accuracy, not of a reward the graph has none of
-    assert "reward_last10" not in summary and summary["val_rm_accuracy_final"] == vals[-1]
-    assert summary["rm_accuracy_last10"] == pytest.approx(sum(r["rm/accuracy"] for r in rows[-10:]) / 10)
-    # 100 steps of 32 pairs: well above chance on the held-out pairs (3600 steps reach 0.9)
+    printed = capsys.readouterr().out
+    assert "reward_last10" not in printed and "rm_accuracy_last10" in printed
+    final = re.search(r"^  val_rm_accuracy_final +([\d.]+)$", printed, re.M)
+    assert final and float(final.group(1)) == pytest.approx(vals[-1], abs=1e-4)
+    # 100 steps of 32 pairs: well above chance on the held-out pairs (3600 steps reach 0.98)
     assert vals[-1] >= 0.7, vals
-    saved = tmp_path / "run" / "reward"
+    saved = tmp_path / "runs/rm/reward"
     assert (saved / "config.json").is_file() and (saved / "tokenizer_config.json").is_file()
 
-    capsys.readouterr()
-    out_file = tmp_path / "eval.json"
-    assert main(["eval", "graphs/reward_model.yaml", *overrides, "--actor", str(tmp_path / "run"),
-                 "--json", str(out_file)]) == 0
-    printed = capsys.readouterr().out
-    assert "pairwise_accuracy" in printed
-    summary = json.loads(out_file.read_text())["summary"]
+    assert main(["eval", "graphs/reward_model.yaml", "--actor", "runs/rm", "data.num_val=160",
+                 "--json", "rm_eval.json"]) == 0
+    assert "pairwise_accuracy" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "rm_eval.json").read_text())["summary"]
     assert summary["pairs"] == 160
     # the same model, pairs and score reading as the run's last validation
     assert summary["pairwise_accuracy"] == pytest.approx(vals[-1])
+
+    assert main(["run", "graphs/grpo_learned_reward.yaml", "--run-dir", "runs/grpo-rm", *small]) == 0
+    for row in _metrics(tmp_path / "runs/grpo-rm"):  # scored by runs/rm/reward; the rule logged beside it
+        assert "reward/raw_mean" in row and 0.0 <= row["rule/reward_mean"] <= 1.0
+
+    write_pairs(["--task", "copy", "--kind", "cost", "--num-train", "200", "--num-val", "40",
+                 "--out", "runs/pairs/cost_train.jsonl", "--val-out", "runs/pairs/cost_val.jsonl"])
+    assert main(["run", "graphs/cost_model.yaml", "--run-dir", "runs/cm", "trainer.iterations=2",
+                 "trainer.val_interval=2", "data.num_val=8"]) == 0
+    assert all("rm/accuracy" in r for r in _metrics(tmp_path / "runs/cm"))
+    assert (tmp_path / "runs/cm/cost/config.json").is_file()
+    assert main(["eval", "graphs/cost_model.yaml", "--actor", "runs/cm", "data.num_val=8"]) == 0
+    assert "pairwise_accuracy" in capsys.readouterr().out
+
+    assert main(["run", "graphs/safe_rlhf_learned.yaml", "--run-dir", "runs/safe-learned", *small]) == 0
+    for row in _metrics(tmp_path / "runs/safe-learned"):
+        assert "safety/lambda" in row and 0.0 <= row["rule/cost_mean"] <= 1.0 and "rule/reward_mean" in row
 
 
 def test_eval_pairs_out_writes_ranked_pairs_a_pair_graph_reads(tmp_path, monkeypatch, capsys):
