@@ -56,7 +56,7 @@ EXEMPT = {
     ),
     r"--run-dir runs/(rm|grpo-rm|cm|safe-learned)$|--actor runs/(rm|cm)$": (
         "tests/test_reward_model_graph.py runs the learned-rewards page's tiny commands in order, with "
-        "their paths, shrunk, on one Ray instead of one per command"
+        "their run directories, shrunk, on one Ray instead of one per command"
     ),
     r"grpo_smollm2\.yaml|runs/smollm2\b": "tests/test_smollm2.py runs the SmolLM2 run, both evals and the plot, shrunk",
     r"grpo_smollm2_lora\.yaml|runs/lora\b": "tests/test_lora.py runs the LoRA graph and an eval of its adapters, shrunk",
