@@ -119,6 +119,20 @@ def test_overridden_spec_is_validated():
         load_graph_spec(GRPO, ["trainer.iterations=zero"])
 
 
+def test_workers_get_the_sources_absolute_from_the_current_directory(tmp_path, monkeypatch):
+    """Workers resolve a model's source where they run (with --address, another directory), so
+    the controller sends relative local sources made absolute from where the user ran."""
+    monkeypatch.chdir(tmp_path)
+    graph = load_graph(ROOT / "graphs/safe_rlhf_learned.yaml", ["models.cost.source.run=/abs/cm"])
+    sent = graph.with_absolute_sources()
+    assert sent.spec.models["reward"].source.run == str(tmp_path / "runs/rm")  # as the graph gives it
+    assert sent.spec.models["cost"].source.run == "/abs/cm"  # absolute stays
+    assert sent.spec.models["cost"].source.model == graph.spec.models["cost"].source.model
+    assert sent.spec.models["actor"] == graph.spec.models["actor"]  # a config-built actor: no path
+    assert graph.spec.models["reward"].source.run == "runs/rm"  # the graph itself (saved, shown) unchanged
+    assert [n.name for n in sent.nodes] == [n.name for n in graph.nodes]
+
+
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_python_builder_equals_yaml(name):
     path = ROOT / "graphs" / f"{name}.yaml"

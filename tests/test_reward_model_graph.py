@@ -130,12 +130,10 @@ def test_the_tiny_learned_reward_commands_in_order(ray_session, tmp_path, monkey
 
     for name in ("graphs", "resource_pools"):  # the page's paths resolve here
         (tmp_path / name).symlink_to(ROOT / name)
+    # The session's Ray workers run in the repository root, not here: the graphs' relative
+    # runs/rm and runs/cm are found because the controller sends its workers absolute sources.
     monkeypatch.chdir(tmp_path)
     small = ["trainer.iterations=2", "data.prompts_per_iteration=4", "models.actor.rollout.n=4", "data.num_val=4"]
-    # The session's Ray workers run in another directory, and a worker reads a model's
-    # `source.run` where it runs: the graphs' defaults (runs/rm, runs/cm) are given absolute.
-    reward_run = f"models.reward.source.run={tmp_path / 'runs' / 'rm'}"
-    cost_run = f"models.cost.source.run={tmp_path / 'runs' / 'cm'}"
 
     write_pairs(["--task", "copy", "--num-train", "200", "--num-val", "40",
                  "--out", "runs/pairs/copy_train.jsonl", "--val-out", "runs/pairs/copy_val.jsonl"])
@@ -170,7 +168,7 @@ def test_the_tiny_learned_reward_commands_in_order(ray_session, tmp_path, monkey
     # the same model, pairs and score reading as the run's last validation
     assert summary["pairwise_accuracy"] == pytest.approx(vals[-1])
 
-    assert main(["run", "graphs/grpo_learned_reward.yaml", "--run-dir", "runs/grpo-rm", *small, reward_run]) == 0
+    assert main(["run", "graphs/grpo_learned_reward.yaml", "--run-dir", "runs/grpo-rm", *small]) == 0
     for row in _metrics(tmp_path / "runs/grpo-rm"):  # scored by runs/rm/reward; the rule logged beside it
         assert "reward/raw_mean" in row and 0.0 <= row["rule/reward_mean"] <= 1.0
 
@@ -183,8 +181,7 @@ def test_the_tiny_learned_reward_commands_in_order(ray_session, tmp_path, monkey
     assert main(["eval", "graphs/cost_model.yaml", "--actor", "runs/cm", "data.num_val=8"]) == 0
     assert "pairwise_accuracy" in capsys.readouterr().out
 
-    assert main(["run", "graphs/safe_rlhf_learned.yaml", "--run-dir", "runs/safe-learned", *small, reward_run,
-                 cost_run]) == 0
+    assert main(["run", "graphs/safe_rlhf_learned.yaml", "--run-dir", "runs/safe-learned", *small]) == 0
     for row in _metrics(tmp_path / "runs/safe-learned"):
         assert "safety/lambda" in row and 0.0 <= row["rule/cost_mean"] <= 1.0 and "rule/reward_mean" in row
 

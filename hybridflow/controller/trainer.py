@@ -359,13 +359,14 @@ class Trainer:
             self.elastic.watch(self.pools)
 
     def _start_groups(self) -> None:
+        worker_graph = self.graph.with_absolute_sources()  # workers may run in another directory
         for pool in self.pools:
             pool_name = pool.name
             self.groups[pool_name] = WorkerGroup(
                 self.worker_cls,
                 pool,
                 init_kwargs={
-                    "graph": self.graph,
+                    "graph": worker_graph,
                     "models": self.graph.models_on(pool_name),
                     "rollouts": self.graph.rollouts_on(pool_name),
                     "tokenizer_dir": str(self.dirs.tokenizer.resolve()),

@@ -66,6 +66,19 @@ class Graph:
         state = pickle.dumps({f.name: getattr(self, f.name) for f in fields(self)}, protocol)
         return _unpickle_with_plugins, (list(self.spec.plugins), self.plugin_dir, self.file, state)
 
+    def with_absolute_sources(self) -> "Graph":
+        """This graph with its models' relative local sources (``path``, ``gguf``, ``run``) made
+        absolute from the current directory, where the user gave them. The graph's workers
+        resolve a source where they run, which is this directory only when this process
+        started their Ray (not with ``--address``, nor in a Ray started elsewhere)."""
+        models = {}
+        for name, model in self.spec.models.items():
+            source = model.source
+            local = {k: str(Path(v).absolute()) for k in ("path", "gguf", "run")
+                     if (v := getattr(source, k)) is not None and not Path(v).is_absolute()}
+            models[name] = model.model_copy(update={"source": source.model_copy(update=local)}) if local else model
+        return replace(self, spec=self.spec.model_copy(update={"models": models}))
+
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
 
