@@ -163,6 +163,31 @@ def test_pools_on_different_nodes(two_nodes, tmp_path):
     assert report["spanning"]["sums"] == [3.0, 3.0]
 
 
+def test_a_run_joins_the_cluster_in_ray_address_and_finds_its_relative_sources(two_nodes, tmp_path):
+    """`hybridflow run` with RAY_ADDRESS set (as `ray job submit` sets it) joins that cluster
+    instead of starting a Ray; its workers run where the nodes were started (the repository
+    root), yet load the actor and the reference from a directory named relative to the run's."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_model_sources import save_family
+
+    save_family("qwen2", tmp_path / "tiny")
+    for name in ("graphs", "resource_pools"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "hybridflow"), "run", "graphs/grpo.yaml", "models.actor.source={path: tiny}",
+         "models.ref.source={path: tiny}", "trainer.iterations=1", "models.actor.rollout.n=4",
+         "data.prompts_per_iteration=4", "data.num_val=4", "--run-dir", "runs/joined"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": two_nodes},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert "Started a local Ray instance" not in out.stderr
+    rows = [json.loads(line) for line in (tmp_path / "runs/joined/metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and 0.0 <= rows[0]["reward/mean"] <= 1.0
+    # the saved graph keeps the source as the user gave it
+    assert "path: tiny" in (tmp_path / "runs/joined/graph.yaml").read_text()
+
+
 def test_elastic_run_shrinks_when_a_node_dies(cluster, tmp_path):
     """A pool of nodes: 2 (dp 2, one rank per node); the driver SIGKILLs the second node's
     process group after iteration 2 is logged, before its checkpoint: the run goes back to

@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("graph", help="graph YAML file")
     run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.iterations=20")
     run.add_argument("--pools", help="resource-pool file (default: the graph's `resources`)")
-    run.add_argument("--address", help="join this Ray cluster instead of starting a local one")
+    run.add_argument("--address", help="join this Ray cluster instead of starting a local one "
+                     "(default: $RAY_ADDRESS, as `ray job submit` sets it)")
     run.add_argument("--run-dir", help="write the run here (default: trainer.save_dir)")
     run.add_argument(
         "--verbose", action="store_true",

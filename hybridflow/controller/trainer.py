@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 import sys
 import time
@@ -133,7 +134,8 @@ class Trainer:
         self.graph = graph
         self.verbose = verbose
         self.spec = graph.spec
-        self.address = address
+        # Ray's own convention: RAY_ADDRESS (as `ray job submit` sets it) names the cluster to join.
+        self.address = address or os.environ.get("RAY_ADDRESS") or None
         self.resume = resume
         options = self.spec.trainer
         self.dirs = RunDir.choose(options.save_dir.format(name=self.spec.name), run_dir, resume)
