@@ -261,6 +261,13 @@ class EncodedPair(NamedTuple):
     rejected_ids: list[int]
 
 
+def response_ids(tokenizer: PreTrainedTokenizerBase, text: str, ended: bool = True) -> list[int]:
+    """How a scalar model reads a response: its text's tokens, then EOS where it ended (a pair's
+    responses always end). An empty response that did not end is EOS alone: one token to read."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [*ids, tokenizer.eos_token_id] if ended or not ids else list(ids)
+
+
 def encode_pairs(
     rows: Sequence[dict],
     tokenizer: PreTrainedTokenizerBase,
@@ -288,7 +295,7 @@ def encode_pairs(
                     f"{shorten(repr(''.join(missing)))}; expected only its alphabet",
                     field,
                 )
-            ids = [*tokenizer(row[side], add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+            ids = response_ids(tokenizer, row[side])
             if len(ids) > max_response_length:
                 raise DataError(
                     f"{where}: {name}: the response is {len(ids)} tokens with its EOS, expected at most "
@@ -412,10 +419,7 @@ def responses_as_text_tokens(batch: TensorDict, tokenizer: PreTrainedTokenizerBa
     last = mask.sum(-1).clamp(min=1) - 1
     ended = responses.gather(1, last[:, None])[:, 0] == eos_id
     texts = tokenizer.batch_decode(responses * mask, skip_special_tokens=True)
-    seqs = [
-        [*tokenizer(text, add_special_tokens=False)["input_ids"], *([eos_id] if end else [])] or [eos_id]
-        for text, end in zip(texts, ended.tolist())
-    ]
+    seqs = [response_ids(tokenizer, text, end) for text, end in zip(texts, ended.tolist())]
     new_ids, new_mask = _right_pad(seqs, max(len(s) for s in seqs), _pad_id(tokenizer))
     out = batch.clone(recurse=False)
     out[K.RESPONSES], out[K.RESPONSE_MASK] = new_ids, new_mask
