@@ -167,8 +167,7 @@ def test_a_run_joins_the_cluster_in_ray_address_and_finds_its_relative_sources(t
     """`hybridflow run` with RAY_ADDRESS set (as `ray job submit` sets it) joins that cluster
     instead of starting a Ray; its workers run where the nodes were started (the repository
     root), yet load the actor and the reference from a directory named relative to the run's."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_model_sources import save_family
+    from test_model_sources import save_family  # tests/ is on the path, as for graph_variants
 
     save_family("qwen2", tmp_path / "tiny")
     for name in ("graphs", "resource_pools"):
